@@ -1,0 +1,1 @@
+"""grpo-fast: GRPO loss, log-probs and group advantages without tokens x vocab logits."""

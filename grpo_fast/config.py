@@ -1,0 +1,134 @@
+"""The loss-type enum and the one frozen config every loss implementation reads.
+
+Field names and defaults follow TRL 1.16's ``GRPOConfig`` so that a TRL config maps onto this one field by field.
+Validation happens here, once, at the public boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+
+class LossType(str, enum.Enum):
+    """Every GRPO variant grpo-fast implements (TRL 1.16's ``loss_type`` values)."""
+
+    GRPO = "grpo"
+    BNPO = "bnpo"
+    DR_GRPO = "dr_grpo"
+    DAPO = "dapo"
+    CISPO = "cispo"
+    SAPO = "sapo"
+    LUSPO = "luspo"
+    VESPO = "vespo"
+
+    @property
+    def is_clip_family(self) -> bool:
+        """PPO-style ``-min(r*A, clip(r)*A)`` objective (the only ones with low/high clip metrics)."""
+        return self in _CLIP_FAMILY
+
+    @property
+    def uses_logp_directly(self) -> bool:
+        """``l = -c * A * logp`` with a detached coefficient c (CISPO, VESPO)."""
+        return self in (LossType.CISPO, LossType.VESPO)
+
+
+_CLIP_FAMILY = frozenset({LossType.GRPO, LossType.BNPO, LossType.DR_GRPO, LossType.DAPO, LossType.LUSPO})
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def _allowed(values) -> str:
+    return ", ".join(repr(v.value if isinstance(v, enum.Enum) else v) for v in values)
+
+
+@dataclass(frozen=True)
+class GRPOLossConfig:
+    """Options of the GRPO loss. Semantics: DESIGN.md §4 (TRL 1.16 ``GRPOTrainer._compute_loss``).
+
+    ``epsilon`` is the lower clip (TRL's ``epsilon_low``); ``epsilon_high=None`` means ``epsilon``. For ``cispo``,
+    ``epsilon_high`` is the upper cap on the ratio (TRL recommends 5.0). ``temperature`` and ``softcap`` shape the
+    logits exactly as at sampling time: ``z = softcap * tanh(z / softcap)``, then ``z / temperature``.
+    """
+
+    loss_type: LossType | str = LossType.DAPO
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    importance_sampling_level: str = "token"
+    temperature: float = 1.0
+    softcap: float | None = None
+    use_bias_correction_kl: bool = False
+    max_completion_length: int | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "loss_type", LossType(self.loss_type))
+        except ValueError:
+            raise ValueError(
+                f"GRPOLossConfig.loss_type must be one of {_allowed(LossType)}, got {self.loss_type!r}"
+            ) from None
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                "GRPOLossConfig.importance_sampling_level must be one of "
+                f"{_allowed(IMPORTANCE_SAMPLING_LEVELS)}, got {self.importance_sampling_level!r}"
+            )
+        _check_real("beta", self.beta, low=0.0)
+        _check_real("epsilon", self.epsilon, low=0.0)
+        if self.epsilon_high is not None:
+            _check_real("epsilon_high", self.epsilon_high, low=0.0)
+        if self.delta is not None:
+            _check_real("delta", self.delta, low=0.0, strict=True)
+        _check_real("temperature", self.temperature, low=0.0, strict=True)
+        if self.softcap is not None:
+            _check_real("softcap", self.softcap, low=0.0, strict=True)
+        if self.max_completion_length is not None and (
+            isinstance(self.max_completion_length, bool)
+            or not isinstance(self.max_completion_length, int)
+            or self.max_completion_length < 1
+        ):
+            raise ValueError(
+                "GRPOLossConfig.max_completion_length must be a positive int or None, "
+                f"got {self.max_completion_length!r}"
+            )
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _check_real(name, getattr(self, name), low=0.0, strict=True)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _check_real(name, getattr(self, name))
+        _check_real("top_entropy_quantile", self.top_entropy_quantile, low=0.0, high=1.0)
+        _check_real("entropy_coef", self.entropy_coef)
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise TypeError(
+                f"GRPOLossConfig.use_bias_correction_kl must be a bool, got {type(self.use_bias_correction_kl).__name__}"
+            )
+
+    @property
+    def epsilon_low(self) -> float:
+        return self.epsilon
+
+    @property
+    def eps_high(self) -> float:
+        """The effective upper clip (``epsilon_high`` or, when unset, ``epsilon``)."""
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.importance_sampling_level == "sequence"
+
+
+def _check_real(name, value, low=None, high=None, strict=False):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"GRPOLossConfig.{name} must be a finite number, got {value!r}")
+    if low is not None and (value <= low if strict else value < low):
+        raise ValueError(f"GRPOLossConfig.{name} must be {'>' if strict else '>='} {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ValueError(f"GRPOLossConfig.{name} must be <= {high}, got {value!r}")
