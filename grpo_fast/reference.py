@@ -211,7 +211,7 @@ def _nanstd(x, dim=None, keepdim=False):
         x, dim = x.reshape(-1), 0
     mean = torch.nanmean(x, dim=dim, keepdim=True)
     var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
-    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dim, keepdim=True).to(x.dtype)  # TRL: int64 / int64 -> float32 factor
     var = var * torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
     std = var.sqrt()
     return std if keepdim else std.squeeze(dim)

@@ -1,0 +1,83 @@
+"""Public ``fused_logprobs``: per-token log-probs (and entropy) straight from hidden states and the lm_head weight."""
+
+from __future__ import annotations
+
+import torch
+
+from grpo_fast import checks
+from grpo_fast.dispatch import resolve_impl
+from grpo_fast.logprobs_torch import LogprobParams, chunked_logprobs
+from grpo_fast.reference import logprobs_reference
+
+
+def validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, softcap):
+    """Checks shared by ``fused_logprobs`` and ``grpo_loss``; returns the vocab size."""
+    checks.check_tensor(fn, "hidden", hidden, dtypes="float")
+    if hidden.dim() < 2:
+        raise ValueError(f"{fn}: hidden must be [..., H] with at least 2 dimensions, got {checks._describe(hidden)}")
+    checks.check_tensor(fn, "weight", weight, shape=(None, hidden.shape[-1]), dtypes="float", device=hidden.device)
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"{fn}: weight must have the dtype of hidden ({hidden.dtype}), got {checks._describe(weight)}; "
+            "cast one of them explicitly (e.g. hidden.to(weight.dtype))"
+        )
+    vocab = weight.shape[0]
+    checks.check_tensor(fn, "target_ids", target_ids, shape=tuple(hidden.shape[:-1]), dtypes="int", device=hidden.device)
+    checks.check_tensor(fn, "bias", bias, shape=(vocab,), dtypes="float", device=hidden.device, optional=True)
+    if bias is not None and bias.dtype != hidden.dtype:
+        raise TypeError(f"{fn}: bias must have the dtype of hidden ({hidden.dtype}), got {checks._describe(bias)}")
+    checks.check_positive_scalar(fn, "temperature", temperature)
+    checks.check_positive_scalar(fn, "softcap", softcap, optional=True)
+    checks.check_token_ids(fn, "target_ids", target_ids, vocab)
+    checks.check_finite(fn, "hidden", hidden)
+    checks.check_finite(fn, "weight", weight)
+    checks.check_finite(fn, "bias", bias)
+    return vocab
+
+
+def logprobs_and_entropy(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl):
+    """Unchecked dispatch: ``[..., H]`` -> logps ``[...]`` and entropy ``[...]`` (or None)."""
+    if impl == "reference":
+        out = logprobs_reference(hidden, weight, target_ids, bias, temperature, softcap, return_entropy)
+        return out if return_entropy else (out, None)
+    lead = target_ids.shape
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    y = target_ids.reshape(-1).long()
+    params = LogprobParams(temperature=float(temperature), softcap=softcap, return_entropy=return_entropy)
+    if impl == "triton":
+        from grpo_fast.kernels.launchers import linear_logprobs  # noqa: PLC0415 (lands with the Triton issue)
+
+        logps, entropy = linear_logprobs(h2, weight, y, bias, params)
+    else:
+        logps, entropy = chunked_logprobs(h2, weight, y, bias, params)
+    return logps.reshape(lead), None if entropy is None else entropy.reshape(lead)
+
+
+def fused_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    return_entropy: bool = False,
+    impl: str = "auto",
+):
+    """Per-token log-probs of ``target_ids`` without materialising the ``[..., V]`` logits.
+
+    Equals ``torch.log_softmax(z.float(), -1).gather(-1, target_ids[..., None])[..., 0]`` with
+    ``z = hidden @ weight.T (+ bias)``, then ``softcap * tanh(z / softcap)`` when ``softcap``, then ``z / temperature``.
+
+    hidden: ``[..., H]`` (float32, bfloat16, float16 or float64); weight: ``[V, H]`` of the same dtype (an lm_head
+    or a tied embedding); target_ids: ``[...]``; bias: ``[V]``. Returns ``logps`` ``[...]`` in float32 (float64 for
+    float64 inputs) and, with ``return_entropy``, also ``entropy`` ``[...]``, the entropy of ``softmax(z)``, which
+    has its own gradient. Both are differentiable w.r.t. hidden, weight and bias.
+    """
+    fn = "fused_logprobs"
+    validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, softcap)
+    impl = resolve_impl(impl, hidden.device, fn)
+    logps, entropy = logprobs_and_entropy(
+        hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl
+    )
+    return (logps, entropy) if return_entropy else logps

@@ -1,0 +1,183 @@
+"""Public GRPO losses: ``grpo_loss`` (from hidden states), ``grpo_loss_from_logps`` and the ``GRPOLoss`` module."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from grpo_fast import checks
+from grpo_fast.config import GRPOLossConfig, LossType
+from grpo_fast.dispatch import resolve_impl
+from grpo_fast.logprobs import logprobs_and_entropy, validate_logprob_inputs
+from grpo_fast.loss_torch import loss_from_logps_torch
+from grpo_fast.outputs import LossOutput
+from grpo_fast.reference import grpo_loss_reference, loss_from_logps_reference
+
+
+def _validate_loss_inputs(fn, B, T, device, advantages, completion_mask, old_logps, ref_logps, sampling_ratio,
+                          num_items_in_batch, entropy, config):
+    if not isinstance(config, GRPOLossConfig):
+        raise TypeError(f"{fn}: config must be a GRPOLossConfig, got {type(config).__name__}")
+    checks.check_tensor(fn, "completion_mask", completion_mask, shape=(B, T), device=device)
+    mask = checks.check_mask(fn, "completion_mask", completion_mask)
+    checks.check_tensor(fn, "advantages", advantages, ndim=(1, 2), dtypes="float", device=device)
+    if tuple(advantages.shape) not in ((B,), (B, T)):
+        raise ValueError(f"{fn}: advantages must have shape [{B}] or [{B}, {T}], got {checks._describe(advantages)}")
+    for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps), ("entropy", entropy)):
+        checks.check_tensor(fn, name, x, shape=(B, T), dtypes="float", device=device, optional=True)
+    checks.check_tensor(fn, "sampling_ratio", sampling_ratio, ndim=2, dtypes="float", device=device, optional=True)
+    if sampling_ratio is not None and tuple(sampling_ratio.shape) not in ((B, T), (B, 1)):
+        raise ValueError(
+            f"{fn}: sampling_ratio must have shape [{B}, {T}] or [{B}, 1], got {checks._describe(sampling_ratio)}"
+        )
+    if config.beta != 0.0 and ref_logps is None:
+        raise ValueError(
+            f"{fn}: config.beta={config.beta} needs ref_logps (the reference model's per-token log-probs [B, T]); "
+            "got None. Pass ref_logps, or set beta=0.0 to train without a KL term"
+        )
+    if num_items_in_batch is not None:
+        n = num_items_in_batch
+        if isinstance(n, torch.Tensor):
+            if n.numel() != 1:
+                raise ValueError(f"{fn}: num_items_in_batch must be a scalar, got {checks._describe(n)}")
+        elif isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
+            raise ValueError(f"{fn}: num_items_in_batch must be a number >= 0 or a scalar tensor, got {n!r}")
+    checks.check_finite(fn, "advantages", advantages)
+    checks.check_finite(fn, "old_logps", old_logps, where=mask)
+    checks.check_finite(fn, "ref_logps", ref_logps, where=mask)
+    checks.check_finite(fn, "sampling_ratio", sampling_ratio)
+    return mask
+
+
+def _to_output(loss, logps, metrics, config: GRPOLossConfig, has_entropy: bool) -> LossOutput:
+    kl, entropy, low, high, region = metrics
+    lt = config.loss_type
+    return LossOutput(
+        loss=loss,
+        per_token_logps=logps.detach(),
+        kl=kl if config.beta != 0.0 else None,
+        entropy=entropy if has_entropy else None,
+        clip_ratio_low=low if lt.is_clip_family else None,
+        clip_ratio_high=high if lt.is_clip_family or lt == LossType.CISPO else None,
+        clip_ratio_region=region if lt.is_clip_family else None,
+    )
+
+
+def _loss_from_logps(impl, logps, advantages, mask, entropy, kw, config):
+    if impl == "reference":
+        return loss_from_logps_reference(logps, advantages, mask, entropy=entropy, config=config, **kw)
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    loss, *metrics = loss_from_logps_torch(logps, adv, mask, entropy=entropy, config=config, **kw)
+    return _to_output(loss, logps, metrics, config, entropy is not None)
+
+
+def grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    sampling_ratio: torch.Tensor | None = None,
+    num_items_in_batch=None,
+    bias: torch.Tensor | None = None,
+    config: GRPOLossConfig = GRPOLossConfig(),
+    impl: str = "auto",
+) -> LossOutput:
+    """The GRPO loss of TRL 1.16 (``GRPOTrainer._compute_loss``, GA = 1) computed from the last hidden states and the
+    lm_head weight, never materialising the ``[B, T, V]`` logits.
+
+    Equals ``grpo_loss_reference(...)`` (``grpo_fast.reference``), i.e. TRL's loss on
+    ``log_softmax(shape(hidden @ weight.T + bias)).gather(target_ids)``; the exact formula per loss type is in
+    DESIGN.md §4.
+
+    hidden: ``[B, T, H]`` where ``hidden[:, t]`` predicts ``target_ids[:, t]``; weight: ``[V, H]``; bias: ``[V]``;
+    target_ids, completion_mask, old_logps, ref_logps: ``[B, T]``; advantages: ``[B]`` or ``[B, T]``;
+    sampling_ratio: ``[B, T]`` or ``[B, 1]`` (vLLM importance-sampling weights). ``old_logps=None`` means one update
+    per generation (the ratio is 1, its gradient is not). ``num_items_in_batch``: the token denominator of
+    dapo/cispo/vespo (None: this micro-batch's masked tokens); pass the global count so gradient accumulation
+    matches one large batch. Returns ``LossOutput``.
+    """
+    fn = "grpo_loss"
+    if not isinstance(config, GRPOLossConfig):
+        raise TypeError(f"{fn}: config must be a GRPOLossConfig, got {type(config).__name__}")
+    checks.check_tensor(fn, "hidden", hidden, dtypes="float")
+    if hidden.dim() != 3:
+        raise ValueError(f"{fn}: hidden must be [B, T, H], got {checks._describe(hidden)}")
+    validate_logprob_inputs(fn, hidden, weight, target_ids, bias, config.temperature, config.softcap)
+    B, T = target_ids.shape
+    mask = _validate_loss_inputs(fn, B, T, hidden.device, advantages, completion_mask, old_logps, ref_logps,
+                                 sampling_ratio, num_items_in_batch, None, config)
+    impl = resolve_impl(impl, hidden.device, fn)
+    kw = dict(old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=sampling_ratio,
+              num_items_in_batch=num_items_in_batch)
+    if impl == "reference":
+        return grpo_loss_reference(hidden, weight, target_ids, advantages, completion_mask, bias=bias, config=config,
+                                   **kw)
+    logps, entropy = logprobs_and_entropy(
+        hidden, weight, target_ids, bias, config.temperature, config.softcap, True, impl
+    )
+    if config.entropy_coef == 0.0:
+        entropy = entropy.detach()  # only the entropy bonus differentiates through it
+    return _loss_from_logps(impl, logps, advantages, mask, entropy, kw, config)
+
+
+def grpo_loss_from_logps(
+    logps: torch.Tensor,
+    advantages: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    sampling_ratio: torch.Tensor | None = None,
+    num_items_in_batch=None,
+    entropy: torch.Tensor | None = None,
+    config: GRPOLossConfig = GRPOLossConfig(),
+    impl: str = "auto",
+) -> LossOutput:
+    """``grpo_loss`` for pipelines that already have per-token log-probs ``logps [B, T]`` (differentiable).
+
+    ``entropy [B, T]`` is needed for ``top_entropy_quantile < 1`` and ``entropy_coef != 0`` (and for the entropy
+    metric). ``config.temperature``/``softcap`` are not applied here: they belong to whoever computed ``logps``.
+    """
+    fn = "grpo_loss_from_logps"
+    checks.check_tensor(fn, "logps", logps, ndim=2, dtypes="float")
+    B, T = logps.shape
+    mask = _validate_loss_inputs(fn, B, T, logps.device, advantages, completion_mask, old_logps, ref_logps,
+                                 sampling_ratio, num_items_in_batch, entropy, config)
+    if entropy is None and (config.top_entropy_quantile < 1.0 or config.entropy_coef != 0.0):
+        raise ValueError(
+            f"{fn}: config.top_entropy_quantile={config.top_entropy_quantile} / entropy_coef={config.entropy_coef} "
+            "need entropy (per-token entropies [B, T], e.g. from fused_logprobs(..., return_entropy=True)); got None"
+        )
+    checks.check_finite(fn, "logps", logps, where=mask)
+    checks.check_finite(fn, "entropy", entropy, where=mask)
+    impl = resolve_impl(impl, logps.device, fn)
+    if impl == "triton":
+        impl = "torch"  # the [B, T] loss math runs in torch until the fused loss kernel lands
+    compute_dtype = torch.float64 if logps.dtype == torch.float64 else torch.float32
+    logps = logps.to(compute_dtype)
+    entropy = None if entropy is None else entropy.to(compute_dtype)
+    kw = dict(old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=sampling_ratio,
+              num_items_in_batch=num_items_in_batch)
+    return _loss_from_logps(impl, logps, advantages, mask, entropy, kw, config)
+
+
+class GRPOLoss(nn.Module):
+    """``nn.Module`` wrapper: ``GRPOLoss(config)(hidden, weight, target_ids, advantages, completion_mask, ...)``."""
+
+    def __init__(self, config: GRPOLossConfig = GRPOLossConfig(), impl: str = "auto"):
+        super().__init__()
+        if not isinstance(config, GRPOLossConfig):
+            raise TypeError(f"GRPOLoss: config must be a GRPOLossConfig, got {type(config).__name__}")
+        self.config = config
+        self.impl = impl
+
+    def forward(self, hidden, weight, target_ids, advantages, completion_mask, **kwargs) -> LossOutput:
+        kwargs.setdefault("impl", self.impl)
+        return grpo_loss(hidden, weight, target_ids, advantages, completion_mask, config=self.config, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"config={self.config}, impl={self.impl!r}"

@@ -1,0 +1,234 @@
+"""GRPO loss from per-token log-probs with an analytic gradient: the algorithm the Triton loss kernel implements.
+
+Every loss type's gradient w.r.t. ``logp`` is one scalar per token, so the forward computes the loss *and*
+``d loss / d logp`` (and ``d loss / d entropy``) in one elementwise pass and saves only those two ``[B, T]`` tensors.
+Autograd through the reference instead saves a dozen ``[B, T]`` intermediates.
+
+Semantics are TRL 1.16's (``grpo_fast.reference.loss_from_logps_reference``), including autograd's tie rule for
+``torch.min`` (half the gradient to each side on a tie) and clamp's (the gradient passes at the bounds), with one
+deliberate difference: masked positions are selected out with ``where`` rather than multiplied by 0, so garbage at
+padding (e.g. ``exp(ref - logp) = inf``) never turns the loss into NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from grpo_fast.config import GRPOLossConfig, LossType
+
+
+class LossTerms(NamedTuple):
+    loss: torch.Tensor  # scalar
+    dlogp: torch.Tensor  # [B, T], d loss / d logp
+    dentropy: torch.Tensor | None  # [B, T], d loss / d entropy (entropy bonus only)
+    kl: torch.Tensor | None
+    entropy: torch.Tensor | None
+    clip_ratio_low: torch.Tensor | None
+    clip_ratio_high: torch.Tensor | None
+    clip_ratio_region: torch.Tensor | None
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float) -> torch.Tensor:
+    """Masked tokens whose (detached) entropy reaches the ``1 - q`` quantile of the masked entropies. ``[B, T]`` bool."""
+    valid = mask.bool()
+    local = entropy[valid]
+    if local.numel() == 0:
+        return torch.zeros_like(valid)
+    threshold = torch.quantile(local, 1.0 - top_entropy_quantile)
+    return (torch.where(valid, entropy, 0.0) >= threshold) & valid
+
+
+def _vespo_phi(adv, log_ratio, mask, sampling_ratio, config):
+    """TRL ``get_gamma_weights``: ``[B, 1]``, no gradient."""
+    lower = math.log(1e-8)
+    seq = torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
+    if sampling_ratio is not None:
+        seq = seq + torch.log(sampling_ratio).clamp(lower, 20.0).sum(-1, keepdim=True)
+    log_w = seq.clamp(lower, 20.0)
+    nonneg = adv >= 0
+    k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg)
+    lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _policy_term(config, r, adv, logp):
+    """Per-token policy loss P and its partials ``dP/dr`` and ``dP/dlogp`` (direct, at fixed r)."""
+    loss_type = config.loss_type
+    zero = torch.zeros_like(r)
+    if loss_type == LossType.CISPO:
+        c = torch.clamp(r, max=config.eps_high)
+        return -c * adv * logp, zero, -c * adv
+    if loss_type == LossType.SAPO:
+        tau = torch.where(adv > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
+        sig = torch.sigmoid(tau * (r - 1))
+        return -sig * 4 / tau * adv, -4 * adv * sig * (1 - sig), zero
+    # clip family: -min(r1 * A, r2 * A)
+    r2 = torch.clamp(r, 1 - config.epsilon_low, 1 + config.eps_high)
+    dr2 = ((r >= 1 - config.epsilon_low) & (r <= 1 + config.eps_high)).to(r.dtype)
+    if config.delta is None:
+        r1, dr1 = r, torch.ones_like(r)
+    else:
+        r1, dr1 = torch.clamp(r, max=config.delta), (r <= config.delta).to(r.dtype)
+    a, b = r1 * adv, r2 * adv
+    take_a = torch.where(a < b, 1.0, torch.where(a == b, 0.5, 0.0)).to(r.dtype)
+    dP_dr = -(take_a * adv * dr1 + (1 - take_a) * adv * dr2)
+    return -torch.minimum(a, b), dP_dr, zero
+
+
+def grpo_loss_terms(
+    logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    sampling_ratio: torch.Tensor | None,
+    num_items_in_batch,
+    entropy: torch.Tensor | None,
+    config: GRPOLossConfig,
+) -> LossTerms:
+    """Loss, ``d loss / d logp`` and metrics for one micro-batch. All inputs detached.
+
+    logp, old_logps, ref_logps, entropy: ``[B, T]`` float; advantages ``[B, 1]`` or ``[B, T]``; mask ``[B, T]`` bool;
+    sampling_ratio ``[B, T]`` or ``[B, 1]``. Computed in logp's dtype (float32, or float64).
+    """
+    dtype = logp.dtype
+    B, T = logp.shape
+    m = mask.to(dtype)
+    adv = advantages.to(dtype).expand(B, T)
+    old = logp if old_logps is None else old_logps.to(dtype)
+    loss_type = config.loss_type
+    lengths = m.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
+
+    # Per-token weight of l_t in the final reduction: loss = sum_t w_t * l_t.
+    if loss_type in (LossType.GRPO, LossType.SAPO):
+        w = m / (lengths * B)
+    elif loss_type == LossType.BNPO:
+        w = m / m.sum().clamp(min=1.0)
+    elif loss_type == LossType.DR_GRPO:
+        w = m / (B * (config.max_completion_length or T))
+    elif loss_type == LossType.LUSPO:
+        w = m / B
+    else:  # DAPO, CISPO, VESPO
+        if num_items_in_batch is None:
+            w = m / m.sum().clamp(min=1.0)
+        else:
+            w = m / torch.as_tensor(num_items_in_batch, dtype=dtype, device=logp.device).clamp(min=1.0)
+
+    log_ratio = torch.where(mask, logp - old, 0.0)
+    if config.sequence_level:
+        r = torch.exp(log_ratio.sum(-1, keepdim=True) / lengths).expand(B, T)
+    else:
+        r = torch.exp(log_ratio)
+
+    if loss_type == LossType.VESPO:
+        phi = _vespo_phi(adv, log_ratio, mask, sampling_ratio, config)
+        policy, dP_dr, dP_dlogp = -phi * adv * logp, torch.zeros_like(r), -phi * adv
+    else:
+        policy, dP_dr, dP_dlogp = _policy_term(config, r, adv, logp)
+
+    scale = torch.ones_like(r)  # entropy mask x sampling ratio: multiplies the policy term only
+    ent_mask = None
+    if config.top_entropy_quantile < 1.0:
+        ent_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile)
+        scale = scale * ent_mask.to(dtype)
+    if sampling_ratio is not None and loss_type != LossType.VESPO:
+        scale = scale * sampling_ratio.to(dtype).expand(B, T)
+
+    l = scale * policy
+    dl_dr = scale * dP_dr  # through the ratio r
+    dl_dlogp = scale * dP_dlogp  # direct
+    kl = None
+    if config.beta != 0.0:
+        diff = ref_logps.to(dtype) - logp
+        e = torch.exp(diff)
+        kl0, dkl0 = e - diff - 1, 1 - e
+        if config.use_bias_correction_kl:
+            kl = kl0 * r
+            dl_dr = dl_dr + config.beta * kl0
+            dl_dlogp = dl_dlogp + config.beta * dkl0 * r
+        else:
+            kl = kl0
+            dl_dlogp = dl_dlogp + config.beta * dkl0
+        l = l + config.beta * kl
+
+    valid = mask
+    loss = torch.where(valid, w * l, 0.0).sum()
+    g_r = torch.where(valid, w * dl_dr, 0.0)  # d loss / d r_t (per position)
+    dlogp = torch.where(valid, w * dl_dlogp, 0.0)
+    if config.sequence_level:
+        # r_b = exp(sum_t m_t (logp_t - old_t) / len_b): d r_b / d logp_t = r_b * m_t / len_b
+        dlogp = dlogp + (g_r * r).sum(-1, keepdim=True) * m / lengths
+    else:
+        dlogp = dlogp + g_r * r
+
+    dentropy = None
+    if config.entropy_coef != 0.0:
+        eff = m if ent_mask is None else m * ent_mask.to(dtype)
+        denom = eff.sum().clamp(min=1.0)
+        loss = loss - config.entropy_coef * torch.where(eff.bool(), entropy, 0.0).sum() / denom
+        dentropy = -config.entropy_coef * eff / denom
+
+    def masked_mean(x):
+        return torch.where(valid, x.to(dtype), 0.0).sum() / m.sum().clamp(min=1.0)
+
+    def ratio_mean(flags):
+        if config.sequence_level and advantages.shape[-1] == 1:  # one value per sequence, as TRL logs it
+            return flags[:, 0].to(dtype).mean()
+        return masked_mean(flags)
+
+    low = high = region = None
+    if loss_type.is_clip_family:
+        is_low = (r < 1 - config.epsilon_low) & (adv < 0)
+        is_high = (r > 1 + config.eps_high) & (adv > 0)
+        low, high, region = ratio_mean(is_low), ratio_mean(is_high), ratio_mean(is_low | is_high)
+    elif loss_type == LossType.CISPO:
+        high = ratio_mean((r > config.eps_high) & (adv > 0))
+    return LossTerms(
+        loss,
+        dlogp,
+        dentropy,
+        None if kl is None else masked_mean(kl),
+        None if entropy is None else masked_mean(entropy),
+        low,
+        high,
+        region,
+    )
+
+
+class _GRPOLossFunction(torch.autograd.Function):
+    """``loss = grpo_loss_terms(logp, entropy, ...).loss`` with the saved analytic gradients as its backward."""
+
+    @staticmethod
+    def forward(ctx, logp, entropy, aux: dict, config: GRPOLossConfig):
+        terms = grpo_loss_terms(logp.detach(), entropy=None if entropy is None else entropy.detach(), config=config, **aux)
+        ctx.save_for_backward(terms.dlogp, terms.dentropy if terms.dentropy is not None else torch.empty(0))
+        ctx.has_dentropy = terms.dentropy is not None
+        metrics = [t if t is not None else torch.full((), float("nan"), dtype=logp.dtype) for t in terms[3:]]
+        ctx.mark_non_differentiable(*metrics)
+        return (terms.loss, *metrics)
+
+    @staticmethod
+    def backward(ctx, grad_loss, *unused):
+        dlogp, dentropy = ctx.saved_tensors
+        g_entropy = dentropy * grad_loss if ctx.has_dentropy and ctx.needs_input_grad[1] else None
+        return dlogp * grad_loss, g_entropy, None, None
+
+
+def loss_from_logps_torch(
+    logps, advantages, mask, *, old_logps, ref_logps, sampling_ratio, num_items_in_batch, entropy, config
+):
+    """Scalar loss (differentiable w.r.t. logps and entropy) plus the metric tensors, NaN where undefined."""
+    aux = dict(
+        advantages=advantages,
+        mask=mask,
+        old_logps=old_logps,
+        ref_logps=ref_logps,
+        sampling_ratio=sampling_ratio,
+        num_items_in_batch=num_items_in_batch,
+    )
+    return _GRPOLossFunction.apply(logps, entropy, aux, config)

@@ -1,0 +1,131 @@
+"""Bad input raises errors that name the argument, what was expected and what came (DESIGN.md §9)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from helpers import make_batch
+
+from grpo_fast import GRPOLoss, GRPOLossConfig, fused_logprobs, grpo_loss, grpo_loss_from_logps
+from grpo_fast.dispatch import resolve_impl
+
+
+@pytest.fixture
+def batch():
+    return make_batch(B=2, T=5, H=8, V=13, seed=0)
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("loss_type", "ppo", "loss_type must be one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', "
+                             "'vespo', got 'ppo'"),
+        ("importance_sampling_level", "tok", "importance_sampling_level must be one of 'token', 'sequence'"),
+        ("beta", -0.1, "beta must be >= 0.0, got -0.1"),
+        ("epsilon", float("nan"), "epsilon must be a finite number"),
+        ("temperature", 0.0, "temperature must be > 0.0"),
+        ("softcap", -1.0, "softcap must be > 0.0"),
+        ("delta", 0.0, "delta must be > 0.0"),
+        ("max_completion_length", 0, "max_completion_length must be a positive int"),
+        ("top_entropy_quantile", 1.5, "top_entropy_quantile must be <= 1.0"),
+        ("use_bias_correction_kl", 1, "use_bias_correction_kl must be a bool"),
+        ("sapo_temperature_neg", 0, "sapo_temperature_neg must be > 0.0"),
+    ],
+)
+def test_config_validation_names_the_field(field, value, match):
+    with pytest.raises((ValueError, TypeError), match=match.replace("(", r"\(").replace(")", r"\)")):
+        GRPOLossConfig(**{field: value})
+
+
+def test_config_accepts_strings_and_enum():
+    assert GRPOLossConfig(loss_type="GRPO".lower()).loss_type.value == "grpo"
+    assert GRPOLossConfig().eps_high == 0.2 and GRPOLossConfig(epsilon_high=0.28).eps_high == 0.28
+
+
+def _call(batch, **changes):
+    kw = dict(batch)
+    config = changes.pop("config", GRPOLossConfig())
+    kw.update(changes)
+    return grpo_loss(**kw, config=config, impl="torch")
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(hidden=torch.randn(2, 5)), r"hidden must be \[B, T, H\]"),
+        (dict(weight=torch.randn(13, 9)), r"weight must have shape \[\*, 8\], got tensor of shape \(13, 9\)"),
+        (dict(weight=torch.randn(13, 8, dtype=torch.float64)), "weight must have the dtype of hidden"),
+        (dict(target_ids=torch.zeros(2, 6, dtype=torch.long)), r"target_ids must have shape \[2, 5\]"),
+        (dict(target_ids=torch.zeros(2, 5)), "target_ids must be an integer tensor"),
+        (dict(target_ids=torch.full((2, 5), 13)), r"target_ids must hold ids in \[0, 13\).*got values in \[13, 13\]"),
+        (dict(target_ids=torch.full((2, 5), -1)), r"target_ids must hold ids in \[0, 13\)"),
+        (dict(advantages=torch.randn(3)), r"advantages must have shape \[2\] or \[2, 5\], got tensor of shape \(3,\)"),
+        (dict(advantages=torch.tensor([0.0, float("nan")])), "advantages must be finite, got 1 NaN/inf"),
+        (dict(completion_mask=torch.ones(2, 4)), r"completion_mask must have shape \[2, 5\]"),
+        (dict(completion_mask=torch.full((2, 5), 2)), "completion_mask must hold only 0 and 1"),
+        (dict(old_logps=torch.randn(2, 4)), r"old_logps must have shape \[2, 5\]"),
+        (dict(old_logps=torch.full((2, 5), float("nan"))), "old_logps must be finite"),
+        (dict(sampling_ratio=torch.ones(2, 3)), r"sampling_ratio must have shape \[2, 5\] or \[2, 1\]"),
+        (dict(bias=torch.zeros(12)), r"bias must have shape \[13\]"),
+        (dict(hidden=torch.full((2, 5, 8), float("inf"))), "hidden must be finite"),
+        (dict(num_items_in_batch=torch.ones(2)), "num_items_in_batch must be a scalar"),
+        (dict(num_items_in_batch=-3), "num_items_in_batch must be a number >= 0"),
+        (dict(config=GRPOLossConfig(beta=0.1), ref_logps=None), "config.beta=0.1 needs ref_logps"),
+        (dict(config="dapo"), "config must be a GRPOLossConfig, got str"),
+        (dict(hidden=torch.randn(2, 5, 8).to(torch.int64)), "hidden must be float32, bfloat16, float16 or float64"),
+    ],
+)
+def test_grpo_loss_bad_input(batch, changes, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _call(batch, **changes)
+
+
+def test_padding_values_are_not_checked(batch):
+    """-inf/NaN old or ref log-probs at masked positions are padding, not an error."""
+    mask = batch["completion_mask"]
+    old = torch.where(mask, batch["old_logps"], float("nan"))
+    ref = torch.where(mask, batch["ref_logps"], -float("inf"))
+    out = _call(batch, old_logps=old, ref_logps=ref, config=GRPOLossConfig(beta=0.1))
+    assert torch.isfinite(out.loss)
+
+
+def test_fused_logprobs_bad_input():
+    h, w = torch.randn(4, 8), torch.randn(13, 8)
+    with pytest.raises(TypeError, match="target_ids must be an integer tensor"):
+        fused_logprobs(h, w, torch.zeros(4))
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0"):
+        fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), temperature=0)
+    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+        fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), softcap=-2.0)
+    with pytest.raises(ValueError, match="impl must be one of 'auto', 'triton', 'torch', 'reference', got 'cuda'"):
+        fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), impl="cuda")
+    with pytest.raises(ValueError, match="hidden must be"):
+        fused_logprobs(torch.randn(8), w, torch.zeros((), dtype=torch.long))
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor, got ndarray"):
+        fused_logprobs(h, w.numpy(), torch.zeros(4, dtype=torch.long))
+
+
+def test_from_logps_needs_entropy_for_entropy_options():
+    logps, adv, mask = -torch.rand(2, 5), torch.randn(2), torch.ones(2, 5)
+    with pytest.raises(ValueError, match="need entropy"):
+        grpo_loss_from_logps(logps, adv, mask, config=GRPOLossConfig(top_entropy_quantile=0.2))
+    with pytest.raises(ValueError, match="logps must be finite"):
+        grpo_loss_from_logps(torch.full((2, 5), float("nan")), adv, mask)
+
+
+def test_module_rejects_non_config():
+    with pytest.raises(TypeError, match="GRPOLoss: config must be a GRPOLossConfig"):
+        GRPOLoss({"loss_type": "grpo"})
+
+
+def test_resolver(caplog):
+    cpu = torch.device("cpu")
+    assert resolve_impl("auto", cpu, "op") == "torch"
+    assert resolve_impl("reference", cpu, "op") == "reference"
+    with caplog.at_level(logging.DEBUG, logger="grpo_fast"):
+        resolve_impl("torch", cpu, "test_resolver_op")
+    assert "grpo_fast.test_resolver_op: using impl='torch' on cpu" in caplog.text
+    with pytest.raises((RuntimeError, ValueError), match="triton"):
+        resolve_impl("triton", cpu, "op")
