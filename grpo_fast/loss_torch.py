@@ -37,7 +37,7 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_qua
     local = entropy[valid]
     if local.numel() == 0:
         return torch.zeros_like(valid)
-    threshold = torch.quantile(local, 1.0 - top_entropy_quantile)
+    threshold = torch.quantile(local.float(), 1.0 - top_entropy_quantile)  # TRL: a float32 threshold
     return (torch.where(valid, entropy, 0.0) >= threshold) & valid
 
 
@@ -79,6 +79,31 @@ def _policy_term(config, r, adv, logp):
     return -torch.minimum(a, b), dP_dr, zero
 
 
+def loss_scale(config: GRPOLossConfig, m: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    """The factor s of ``loss = sum_t m_t * s * l_t``: ``[B, 1]`` for grpo/sapo, a 0-dim tensor for the rest."""
+    B, T = m.shape
+    loss_type = config.loss_type
+    if loss_type in (LossType.GRPO, LossType.SAPO):
+        return 1.0 / (m.sum(-1, keepdim=True).clamp(min=1.0) * B)
+    if loss_type == LossType.BNPO:
+        return 1.0 / m.sum().clamp(min=1.0)
+    if loss_type == LossType.DR_GRPO:
+        return m.new_tensor(1.0 / (B * (config.max_completion_length or T)))
+    if loss_type == LossType.LUSPO:
+        return m.new_tensor(1.0 / B)
+    if num_items_in_batch is None:  # DAPO, CISPO, VESPO
+        return 1.0 / m.sum().clamp(min=1.0)
+    return 1.0 / torch.as_tensor(num_items_in_batch, dtype=m.dtype, device=m.device).clamp(min=1.0)
+
+
+def entropy_bonus(entropy, m, ent_mask, coef):
+    """``-coef * masked mean of entropy`` over the tokens the policy term acts on, and its gradient ``[B, T]``."""
+    eff = m if ent_mask is None else m * ent_mask.to(m.dtype)
+    denom = eff.sum().clamp(min=1.0)
+    bonus = -coef * torch.where(eff.bool(), entropy, 0.0).sum() / denom
+    return bonus, -coef * eff / denom
+
+
 def grpo_loss_terms(
     logp: torch.Tensor,
     advantages: torch.Tensor,
@@ -104,20 +129,7 @@ def grpo_loss_terms(
     loss_type = config.loss_type
     lengths = m.sum(-1, keepdim=True).clamp(min=1.0)  # [B, 1]
 
-    # Per-token weight of l_t in the final reduction: loss = sum_t w_t * l_t.
-    if loss_type in (LossType.GRPO, LossType.SAPO):
-        w = m / (lengths * B)
-    elif loss_type == LossType.BNPO:
-        w = m / m.sum().clamp(min=1.0)
-    elif loss_type == LossType.DR_GRPO:
-        w = m / (B * (config.max_completion_length or T))
-    elif loss_type == LossType.LUSPO:
-        w = m / B
-    else:  # DAPO, CISPO, VESPO
-        if num_items_in_batch is None:
-            w = m / m.sum().clamp(min=1.0)
-        else:
-            w = m / torch.as_tensor(num_items_in_batch, dtype=dtype, device=logp.device).clamp(min=1.0)
+    w = m * loss_scale(config, m, num_items_in_batch)  # loss = sum_t w_t * l_t
 
     log_ratio = torch.where(mask, logp - old, 0.0)
     if config.sequence_level:
@@ -168,10 +180,8 @@ def grpo_loss_terms(
 
     dentropy = None
     if config.entropy_coef != 0.0:
-        eff = m if ent_mask is None else m * ent_mask.to(dtype)
-        denom = eff.sum().clamp(min=1.0)
-        loss = loss - config.entropy_coef * torch.where(eff.bool(), entropy, 0.0).sum() / denom
-        dentropy = -config.entropy_coef * eff / denom
+        bonus, dentropy = entropy_bonus(entropy, m, ent_mask, config.entropy_coef)
+        loss = loss + bonus
 
     def masked_mean(x):
         return torch.where(valid, x.to(dtype), 0.0).sum() / m.sum().clamp(min=1.0)

@@ -50,7 +50,7 @@ def high_entropy_mask_reference(entropy, mask, top_entropy_quantile):
     local = entropy.detach()[mask.bool()]
     if local.numel() == 0:
         return torch.zeros_like(mask, dtype=torch.bool)
-    threshold = torch.quantile(local, 1.0 - top_entropy_quantile)
+    threshold = torch.quantile(local.float(), 1.0 - top_entropy_quantile)  # TRL: a float32 threshold
     return ((entropy.detach() * mask) >= threshold) & mask.bool()
 
 

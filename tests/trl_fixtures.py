@@ -7,6 +7,8 @@ initialised one-layer Qwen2 (hidden size 32) saved to a temporary folder.
   ``_get_per_token_logps_and_entropies`` computes log-probs from leaf tensors with ``logprobs_reference``.
 - ``tiny_tokenizer`` / ``save_tiny_model`` / ``build_tiny_grpo_trainer`` make a real ``GRPOTrainer`` on CPU.
 - ``scripted_reward_funcs`` returns reward functions that hand back fixed, scripted values (None included).
+
+This module imports trl: import it only after ``pytest.importorskip("trl")``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ TRL_METRIC_FIELDS = {
 
 
 class SingleProcessAccelerator:
-    """The part of ``accelerate.Accelerator`` that ``_compute_loss`` touches, for one process: collectives are identities."""
+    """What ``_compute_loss`` uses of ``accelerate.Accelerator``, for one process: the collectives are identities."""
 
     num_processes = 1
     process_index = 0
@@ -184,6 +186,12 @@ def trl_compute_loss(
     return loss, metrics, policy.last_logps
 
 
+def trl_high_entropy_mask(entropies, mask, top_entropy_quantile):
+    """TRL's ``GRPOTrainer.get_high_entropy_mask`` on one process, as ``_compute_loss`` calls it."""
+    fake = types.SimpleNamespace(accelerator=SingleProcessAccelerator())
+    return GRPOTrainer.get_high_entropy_mask(fake, entropies, mask, 1 - top_entropy_quantile)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # A real GRPOTrainer on CPU, offline
 
@@ -213,12 +221,25 @@ def tiny_qwen2(vocab_size: int, seed: int = 0):
 
 
 def save_tiny_model(directory) -> str:
-    """Save ``tiny_qwen2`` and ``tiny_tokenizer`` to ``directory`` (loadable with ``from_pretrained``); return it."""
+    """Save ``tiny_qwen2`` and ``tiny_tokenizer`` to ``directory``; return it. Load the tokenizer back with
+    ``load_tiny_tokenizer``, not ``AutoTokenizer``."""
     directory = Path(directory)
     tokenizer = tiny_tokenizer()
     tiny_qwen2(len(tokenizer)).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
+
+
+def load_tiny_tokenizer(model_dir):
+    """The word-level tokenizer saved by ``save_tiny_model``.
+
+    Not ``AutoTokenizer``: transformers 5 picks the class from the model type (Qwen2Tokenizer) and rebuilds a
+    byte-level BPE that drops this vocabulary (every prompt encodes to nothing). For the same reason a
+    ``GRPOTrainer`` on this folder needs ``processing_class`` passed explicitly.
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(model_dir)
 
 
 def scripted_reward_funcs(scripts: dict[str, list]):
@@ -238,7 +259,6 @@ def scripted_reward_funcs(scripts: dict[str, list]):
 def build_tiny_grpo_trainer(model_dir, output_dir, reward_funcs, prompts, **config_overrides):
     """A ``GRPOTrainer`` on CPU over the model/tokenizer in ``model_dir``; logging, saving and reporting off."""
     from datasets import Dataset
-    from transformers import AutoTokenizer
 
     settings = dict(
         output_dir=str(output_dir), num_generations=4, per_device_train_batch_size=4 * len(prompts),
@@ -251,6 +271,6 @@ def build_tiny_grpo_trainer(model_dir, output_dir, reward_funcs, prompts, **conf
         reward_funcs=reward_funcs,
         args=GRPOConfig(**settings),
         train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
-        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        processing_class=load_tiny_tokenizer(model_dir),
     )
 

@@ -1,0 +1,301 @@
+"""Per-token log-probs (and entropy) straight from hidden states, in pure PyTorch, without an ``N x V`` logits tensor.
+
+Computes, for every token ``n``, what :func:`grpo_fast.reference.logprobs_reference` computes through materialised
+logits::
+
+    z = (hidden @ weight.T).float() (+ bias);  z = softcap * tanh(z / softcap) if softcap;  z = z / temperature
+    logp[n] = log_softmax(z)[n, y[n]];  entropy[n] = -sum_v softmax(z)[n, v] * log_softmax(z)[n, v]
+
+Algorithm. The forward walks token blocks (outer) and vocab chunks (inner). Each ``[T, C]`` tile of logits is made by
+one matmul in the input dtype (as an lm_head would), then cast to fp32 (fp64 for fp64 inputs) for the shaping and an
+online logsumexp: a running max ``m`` (starting at -inf), a running ``s = sum exp(z - m)`` and, for the entropy,
+``t = sum exp(z - m) * (z - m)``, both rescaled when the max moves, plus the target logit when it falls in the chunk.
+``logp = (z[y] - m) - log s`` and ``entropy = log s - t / s`` never subtract two large numbers, so logits offset by 1e4
+lose nothing. The backward (custom autograd) recomputes each tile, forms ``dz`` and multiplies it into ``dh = dz @ W``,
+``dW = dz^T @ h`` and ``db = sum dz``, walking vocab chunks (outer) and token blocks (inner) so each ``dW`` chunk is
+accumulated over all tokens and written once.
+
+Memory. Saved for backward: the inputs (no copies) and three ``[N]`` vectors (max, log-sum, entropy). Temporaries:
+about three fp32 tiles of ``token_chunk x vocab_chunk`` (auto: <= 8 MiB each), a ``[vocab_chunk, H]`` fp32 ``dW``
+accumulator and ``[token_chunk, H]`` row buffers (auto: <= 16 MiB each), and, for bf16/fp16 inputs, an fp32 ``[N, H]``
+``dh`` accumulator. Never an ``N x V`` tensor, never an fp32 copy of a bf16/fp16 weight (chunks are cast one at a time).
+Traffic: the forward reads ``W`` once per token block and the backward once per vocab chunk sweep per token block, i.e.
+three ``2 N V H``-FLOP matmuls in all, like the unfused lm_head forward and backward.
+
+Limits. Rows whose upstream gradients (log-prob and entropy) are both exactly zero cost no backward matmul work; a
+fully zero upstream gradient skips the backward. No double backward. Host-side Python loops: meant for CPU (and as the
+algorithmic twin of the Triton kernels), not as the fast GPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+_TILE_ELEMS = 2 * 1024 * 1024  # auto token_chunk * vocab_chunk: one fp32 logits tile <= 8 MiB
+_ROW_BYTES = 16 * 1024 * 1024  # auto bound on the fp32 [vocab_chunk, H] dW accumulator and [token_chunk, H] buffers
+_MAX_VOCAB_CHUNK = 4096
+_MIN_CHUNK = 128
+
+
+@dataclass(frozen=True)
+class LogprobParams:
+    """Options of :func:`chunked_logprobs`. ``None`` chunk sizes are chosen from a temporaries budget."""
+
+    temperature: float = 1.0
+    softcap: float | None = None
+    return_entropy: bool = False
+    vocab_chunk: int | None = None
+    token_chunk: int | None = None
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunk_sizes(n: int, v: int, h: int, params: LogprobParams) -> tuple[int, int]:
+    """``(token_chunk, vocab_chunk)``: explicit values as given, else bounded by the tile and row budgets."""
+    c = params.vocab_chunk
+    if c is None:
+        c = min(v, _MAX_VOCAB_CHUNK, max(_MIN_CHUNK, _ROW_BYTES // (4 * max(h, 1))))
+    t = params.token_chunk
+    if t is None:
+        t = min(max(n, 1), max(1, _TILE_ELEMS // c), max(_MIN_CHUNK, _ROW_BYTES // (4 * max(h, 1))))
+    assert c >= 1 and t >= 1, "chunk sizes must be positive"
+    return t, c
+
+
+def _tile(h_rows: Tensor, w_c: Tensor, bias_c: Tensor | None, params: LogprobParams, acc: torch.dtype, keep_tanh: bool):
+    """Shaped logits ``z [T, C]`` (acc dtype) of ``h_rows [T, H]`` against ``w_c [C, H]``, and ``tanh(z_raw/softcap)``.
+
+    The matmul runs in the input dtype, like the lm_head it replaces; the cast and everything after it in ``acc``.
+    """
+    x = (h_rows @ w_c.t()).to(acc)
+    if bias_c is not None:
+        x.add_(bias_c)
+    u = None
+    if params.softcap is not None:
+        if keep_tanh:
+            u = x.div_(params.softcap).tanh_()
+            x = u * params.softcap
+        else:
+            x.div_(params.softcap).tanh_().mul_(params.softcap)
+    if params.temperature != 1.0:
+        x.div_(params.temperature)
+    return x, u
+
+
+def _target_in_chunk(y: Tensor, c0: int, c: int) -> tuple[Tensor, Tensor]:
+    """``(in_chunk [T] bool, local column [T, 1])`` of targets ``y [T]`` in the vocab chunk ``[c0, c0 + c)``."""
+    local = y - c0
+    in_chunk = (local >= 0) & (local < c)
+    return in_chunk, local.clamp(0, c - 1).unsqueeze(1)
+
+
+def _forward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: LogprobParams):
+    """``(logps, entropy or None, m, log_s)``, all ``[N]`` in the acc dtype; ``lse = m + log_s``."""
+    n, h = hidden.shape
+    v = weight.shape[0]
+    acc = _acc_dtype(hidden.dtype)
+    tb, cb = _chunk_sizes(n, v, h, params)
+    want_ent = params.return_entropy
+    lowest = torch.finfo(torch.float64).min
+    logps = torch.empty(n, dtype=acc, device=hidden.device)
+    ent = torch.empty(n, dtype=acc, device=hidden.device) if want_ent else None
+    m_all = torch.empty(n, dtype=acc, device=hidden.device)
+    logs_all = torch.empty(n, dtype=acc, device=hidden.device)
+    bias_acc = None if bias is None else bias.to(acc)
+    for t0 in range(0, n, tb):
+        t1 = min(t0 + tb, n)
+        h_blk, y_blk = hidden[t0:t1], target_ids[t0:t1]
+        m = torch.full((t1 - t0,), float("-inf"), dtype=acc, device=hidden.device)
+        zy = torch.zeros_like(m)
+        # The running sums cross chunks in float64: [T] vectors, so free, and the result does not drift with the
+        # number of vocab chunks (each chunk's own sum is a vectorised fp32 reduction, as in log_softmax).
+        s = torch.zeros(t1 - t0, dtype=torch.float64, device=hidden.device)
+        t = torch.zeros_like(s)  # sum exp(z - m) * (z - m)
+        for c0 in range(0, v, cb):
+            c1 = min(c0 + cb, v)
+            z, _ = _tile(h_blk, weight[c0:c1], None if bias_acc is None else bias_acc[c0:c1], params, acc, False)
+            in_chunk, col = _target_in_chunk(y_blk, c0, c1 - c0)
+            zy = torch.where(in_chunk, z.gather(1, col).squeeze(1), zy)
+            m_new = torch.maximum(m, z.amax(1))
+            delta = (m - m_new).double()  # <= 0; -inf on the first chunk, where s = t = 0
+            alpha = delta.exp()
+            zm = z.sub_(m_new.unsqueeze(1))
+            if want_ent:
+                e = zm.exp()
+                # t' = sum_old e^(z - m_new) (z - m_new) = alpha * (t + delta * s); clamp keeps -inf * 0 out.
+                dot = torch.bmm(e.unsqueeze(1), zm.unsqueeze(2)).view(-1)
+                t = alpha * (t + delta.clamp(min=lowest) * s) + dot
+            else:
+                e = zm.exp_()
+            s = alpha * s + e.sum(1)
+            m = m_new
+            del z, zm, e
+        log_s = s.log()
+        logps[t0:t1] = (zy - m) - log_s
+        m_all[t0:t1] = m
+        logs_all[t0:t1] = log_s
+        if want_ent:
+            ent[t0:t1] = log_s - t / s
+    return logps, ent, m_all, logs_all
+
+
+def _active_blocks(active: Tensor, tb: int):
+    """Token blocks holding at least one active row: ``(t0, t1, idx)`` with ``idx`` None when the whole block is."""
+    n = active.shape[0]
+    idx_all = active.nonzero().squeeze(1)
+    starts = torch.arange(0, n, tb, device=active.device)
+    bounds = torch.searchsorted(idx_all, torch.cat([starts, starts.new_tensor([n])])).tolist()
+    blocks = []
+    for i, t0 in enumerate(range(0, n, tb)):
+        t1 = min(t0 + tb, n)
+        lo, hi = bounds[i], bounds[i + 1]
+        if hi == lo:
+            continue
+        blocks.append((t0, t1, None if hi - lo == t1 - t0 else idx_all[lo:hi]))
+    return blocks
+
+
+def _rows(x: Tensor | None, t0: int, t1: int, idx: Tensor | None) -> Tensor | None:
+    if x is None:
+        return None
+    return x[t0:t1] if idx is None else x.index_select(0, idx)
+
+
+def _mm_acc(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """``a @ b`` as an ``acc`` tensor; bf16/fp16 operands stay in their dtype (see :func:`_backward`)."""
+    return torch.mm(a, b).to(acc)
+
+
+def _backward(ctx, g: Tensor | None, ge: Tensor | None):
+    hidden, weight, target_ids, bias, m_all, logs_all, ent = ctx.saved_tensors
+    params: LogprobParams = ctx.params
+    need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dtype = hidden.dtype
+    acc = _acc_dtype(dtype)
+    same = dtype == acc  # fp32/fp64: accumulate straight into the gradient tensors with addmm_
+    tb, cb = _chunk_sizes(n, v, h, params)
+
+    active = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+    if g is not None:
+        g = g.to(acc)
+        active |= g != 0
+    if ge is not None:
+        ge = ge.to(acc)
+        active |= ge != 0
+    blocks = _active_blocks(active, tb) if n else []
+
+    dh = torch.zeros(n, h, dtype=acc, device=hidden.device) if need_h else None
+    gw = torch.zeros_like(weight) if need_w else None
+    db = torch.zeros(v, dtype=acc, device=hidden.device) if need_b else None
+    if not blocks:  # every upstream gradient is exactly zero
+        return (None if dh is None else dh.to(dtype)), gw, None, (None if db is None else db.to(bias.dtype)), None
+
+    bias_acc = None if bias is None else bias.to(acc)
+    # Per-block row data, selected once: [T] vectors only (hidden rows are selected per tile, never all at once).
+    rows = []
+    for t0, t1, idx in blocks:
+        rows.append((t0, t1, idx, _rows(target_ids, t0, t1, idx), _rows(g, t0, t1, idx), _rows(ge, t0, t1, idx),
+                     _rows(m_all, t0, t1, idx).unsqueeze(1), _rows(logs_all, t0, t1, idx).unsqueeze(1),
+                     None if ge is None else _rows(ent, t0, t1, idx).unsqueeze(1)))
+
+    for c0 in range(0, v, cb):
+        c1 = min(c0 + cb, v)
+        w_c = weight[c0:c1]
+        # dW chunk: fp32/fp64 rows of grad_weight itself, else one fp32 [C, H] buffer written once at the end.
+        dw_c = None
+        if need_w:
+            dw_c = gw[c0:c1] if same else torch.zeros(c1 - c0, h, dtype=acc, device=hidden.device)
+        for t0, t1, idx, y_r, g_r, ge_r, m_r, logs_r, ent_r in rows:
+            h_r = _rows(hidden, t0, t1, idx)
+            z, u = _tile(h_r, w_c, None if bias_acc is None else bias_acc[c0:c1], params, acc, True)
+            logp = z.sub_(m_r).sub_(logs_r)  # (z - m) - log s, exact at large logit offsets
+            p = logp.exp()
+            # dz = g (onehot - p) + ge * (-p (log p + H))
+            if ge_r is not None:
+                coef = logp.add_(ent_r).mul_(ge_r.unsqueeze(1))
+                if g_r is not None:
+                    coef.add_(g_r.unsqueeze(1))
+                dz = p.mul_(coef).neg_()
+            else:
+                dz = p.mul_(g_r.unsqueeze(1)).neg_()
+            del z, logp
+            if g_r is not None:
+                in_chunk, col = _target_in_chunk(y_r, c0, c1 - c0)
+                dz.scatter_add_(1, col, torch.where(in_chunk, g_r, 0.0).unsqueeze(1))
+            if params.temperature != 1.0:
+                dz.div_(params.temperature)
+            if u is not None:  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
+                dz.mul_(u.square_().neg_().add_(1.0))
+            del u
+            if need_b:
+                db[c0:c1] += dz.sum(0)
+            # fp32/fp64 inputs: matmuls in that dtype, accumulated in place (addmm_). bf16/fp16 inputs: dz is cast
+            # to the input dtype so the matmuls run on the fast low-precision path (as Liger and TRL do), and each
+            # product comes back into an fp32 accumulator; no fp32 copy of W or of hidden is ever made.
+            dz_mm = dz if same else dz.to(dtype)
+            del dz
+            if need_h:
+                if idx is None:
+                    if same:
+                        dh[t0:t1].addmm_(dz_mm, w_c)
+                    else:
+                        dh[t0:t1] += _mm_acc(dz_mm, w_c, acc)
+                else:
+                    dh.index_add_(0, idx, _mm_acc(dz_mm, w_c, acc))
+            if need_w:
+                if same:
+                    dw_c.addmm_(dz_mm.t(), h_r)
+                else:
+                    dw_c += _mm_acc(dz_mm.t(), h_r, acc)
+            del dz_mm, h_r
+        if need_w and not same:
+            gw[c0:c1] = dw_c
+        del dw_c
+
+    grad_h = None if dh is None else (dh if same else dh.to(dtype))
+    grad_b = None if db is None else db.to(bias.dtype)
+    return grad_h, gw, None, grad_b, None
+
+
+class ChunkedLogprobsFunction(torch.autograd.Function):
+    """Autograd wrapper: forward = :func:`_forward`, backward recomputes tiles (:func:`_backward`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_ids, bias, params: LogprobParams):
+        logps, ent, m_all, logs_all = _forward(hidden, weight, target_ids, bias, params)
+        ctx.params = params
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(hidden, weight, target_ids, bias, m_all, logs_all, ent)
+        if params.return_entropy:
+            return logps, ent
+        return logps
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g, ge=None):
+        return _backward(ctx, g, ge)
+
+
+def chunked_logprobs(
+    hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: LogprobParams
+) -> tuple[Tensor, Tensor | None]:
+    """Per-token ``log_softmax(z)[y]`` and entropy without materialising ``z``; equals ``logprobs_reference``.
+
+    hidden: ``[N, H]``; weight: ``[V, H]``; target_ids: ``[N]`` int64 in ``[0, V)``; bias: ``[V]`` or None.
+    Returns ``(logps [N], entropy [N] or None)``, float32 (float64 for float64 inputs), differentiable w.r.t. hidden,
+    weight and bias. Inputs are validated by the caller.
+    """
+    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], "hidden [N, H], weight [V, H]"
+    assert target_ids.shape == hidden.shape[:1], "target_ids [N]"
+    out = ChunkedLogprobsFunction.apply(hidden, weight, target_ids, bias, params)
+    if params.return_entropy:
+        return out
+    return out, None
