@@ -135,7 +135,7 @@ def group_advantages(
         return group_advantages_reference(rewards, group_ids=index, scale=scale, eps=eps, reward_weights=weights,
                                           aggregation=aggregation)
     if impl == "triton":
-        from grpo_fast.kernels.launchers import group_advantages_triton  # noqa: PLC0415
+        from grpo_fast.kernels.group_advantages import group_advantages_triton
 
         return group_advantages_triton(r.to(dtype), index, num_groups, scale, eps, weights, aggregation)
     return group_advantages_torch(r.to(dtype), index, num_groups, scale, eps, weights, aggregation)

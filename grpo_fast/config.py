@@ -6,7 +6,9 @@ Validation happens here, once, at the public boundary.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 import math
 from dataclasses import dataclass
 
@@ -110,6 +112,14 @@ class GRPOLossConfig:
             raise TypeError(
                 f"GRPOLossConfig.use_bias_correction_kl must be a bool, got {type(self.use_bias_correction_kl).__name__}"
             )
+        fields = dataclasses.asdict(self)
+        fields["loss_type"] = self.loss_type.value
+        # the custom ops take the config as a string; made once here so torch.compile never traces json
+        object.__setattr__(self, "_json", json.dumps(fields, sort_keys=True))
+
+    def to_json(self) -> str:
+        """All fields as a JSON string (``GRPOLossConfig(**json.loads(s))`` rebuilds it)."""
+        return self._json
 
     @property
     def epsilon_low(self) -> float:

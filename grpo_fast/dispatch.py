@@ -17,14 +17,20 @@ logger = logging.getLogger("grpo_fast")
 IMPLS = ("auto", "triton", "torch", "reference")
 
 
-@functools.lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """True when the Triton launchers can be imported (the kernels land with the Triton issue)."""
+def _probe_triton() -> bool:
     try:
-        import grpo_fast.kernels.launchers  # noqa: F401
+        import triton  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+_TRITON_AVAILABLE = _probe_triton()
+
+
+def triton_available() -> bool:
+    """True when triton imports (Linux); the kernels live in ``grpo_fast.kernels``."""
+    return _TRITON_AVAILABLE
 
 
 def triton_interpreting() -> bool:
@@ -36,12 +42,19 @@ def _log_choice(op: str, impl: str, device_type: str) -> None:
     logger.debug("grpo_fast.%s: using impl=%r on %s", op, impl, device_type)
 
 
-def resolve_impl(impl: str, device: torch.device, op: str) -> str:
-    """Turn ``impl`` (one of IMPLS) into the concrete implementation to run on ``device``."""
+def resolve_impl(impl: str, device: torch.device, op: str, dtype: torch.dtype | None = None) -> str:
+    """Turn ``impl`` (one of IMPLS) into the concrete implementation to run on ``device`` for ``dtype``.
+
+    float64 always runs on the torch path under ``auto`` (the kernels compute in float32).
+    """
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
     if impl == "auto":
-        impl = "triton" if device.type == "cuda" and triton_available() else "torch"
+        use_triton = device.type == "cuda" and triton_available() and dtype != torch.float64
+        impl = "triton" if use_triton else "torch"
+    if impl == "triton" and dtype == torch.float64:
+        raise ValueError(f"{op}: impl='triton' computes in float32 and takes float32, bfloat16 or float16 inputs, "
+                         "got float64; use impl='torch' (or 'auto') for float64")
     if impl == "triton":
         if not triton_available():
             raise RuntimeError(f"{op}: impl='triton' requested but the Triton kernels are not available in this build")
@@ -50,5 +63,6 @@ def resolve_impl(impl: str, device: torch.device, op: str) -> str:
                 f"{op}: impl='triton' needs CUDA tensors (got device {device}); set TRITON_INTERPRET=1 before "
                 "importing triton to run the kernels on CPU through the interpreter, or use impl='torch'"
             )
-    _log_choice(op, impl, device.type)
+    if not torch.compiler.is_compiling():
+        _log_choice(op, impl, device.type)
     return impl

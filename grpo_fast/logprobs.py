@@ -6,7 +6,8 @@ import torch
 
 from grpo_fast import checks
 from grpo_fast.dispatch import resolve_impl
-from grpo_fast.logprobs_torch import LogprobParams, chunked_logprobs
+from grpo_fast.logprobs_torch import LogprobParams
+from grpo_fast.ops import logprobs_op
 from grpo_fast.reference import logprobs_reference
 
 
@@ -45,11 +46,8 @@ def logprobs_and_entropy(hidden, weight, target_ids, bias, temperature, softcap,
     y = target_ids.reshape(-1).long()
     params = LogprobParams(temperature=float(temperature), softcap=softcap, return_entropy=return_entropy)
     if impl == "triton":
-        from grpo_fast.kernels.launchers import linear_logprobs  # noqa: PLC0415 (lands with the Triton issue)
-
-        logps, entropy = linear_logprobs(h2, weight, y, bias, params)
-    else:
-        logps, entropy = chunked_logprobs(h2, weight, y, bias, params)
+        h2, y = (h2 if h2.stride(-1) == 1 else h2.contiguous()), y.contiguous()
+    logps, entropy = logprobs_op(h2, weight, y, bias, params, impl)
     return logps.reshape(lead), None if entropy is None else entropy.reshape(lead)
 
 
@@ -76,7 +74,7 @@ def fused_logprobs(
     """
     fn = "fused_logprobs"
     validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, softcap)
-    impl = resolve_impl(impl, hidden.device, fn)
+    impl = resolve_impl(impl, hidden.device, fn, hidden.dtype)
     logps, entropy = logprobs_and_entropy(
         hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl
     )

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 _TILE_ELEMS = 2 * 1024 * 1024  # auto token_chunk * vocab_chunk: one fp32 logits tile <= 8 MiB
 _ROW_BYTES = 16 * 1024 * 1024  # auto bound on the fp32 [vocab_chunk, H] dW accumulator and [token_chunk, H] buffers
@@ -172,7 +171,34 @@ def _mm_acc(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
     return torch.mm(a, b).to(acc)
 
 
-def _backward(ctx, g: Tensor | None, ge: Tensor | None):
+def torch_tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, params, acc):
+    """``dz [R, C]`` (acc dtype): d loss / d raw logits of rows ``h_r [R, H]`` against the vocab chunk ``[c0, c1)``.
+
+    ``dz = g (onehot - p) - ge p (log p + H)``, divided by the temperature and times ``1 - tanh^2`` under softcap.
+    m_r, logs_r, ent_r: ``[R, 1]``; g_r, ge_r: ``[R]`` or None. The Triton backward swaps in its own kernel here.
+    """
+    z, u = _tile(h_r, w_c, bias_c, params, acc, True)
+    logp = z.sub_(m_r).sub_(logs_r)  # (z - m) - log s, exact at large logit offsets
+    p = logp.exp()
+    if ge_r is not None:
+        coef = logp.add_(ent_r).mul_(ge_r.unsqueeze(1))
+        if g_r is not None:
+            coef.add_(g_r.unsqueeze(1))
+        dz = p.mul_(coef).neg_()
+    else:
+        dz = p.mul_(g_r.unsqueeze(1)).neg_()
+    del z, logp
+    if g_r is not None:
+        in_chunk, col = _target_in_chunk(y_r, c0, c1 - c0)
+        dz.scatter_add_(1, col, torch.where(in_chunk, g_r, 0.0).unsqueeze(1))
+    if params.temperature != 1.0:
+        dz.div_(params.temperature)
+    if u is not None:  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
+        dz.mul_(u.square_().neg_().add_(1.0))
+    return dz
+
+
+def _backward(ctx, g: Tensor | None, ge: Tensor | None, tile_grad=torch_tile_grad):
     hidden, weight, target_ids, bias, m_all, logs_all, ent = ctx.saved_tensors
     params: LogprobParams = ctx.params
     need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
@@ -215,26 +241,8 @@ def _backward(ctx, g: Tensor | None, ge: Tensor | None):
             dw_c = gw[c0:c1] if same else torch.zeros(c1 - c0, h, dtype=acc, device=hidden.device)
         for t0, t1, idx, y_r, g_r, ge_r, m_r, logs_r, ent_r in rows:
             h_r = _rows(hidden, t0, t1, idx)
-            z, u = _tile(h_r, w_c, None if bias_acc is None else bias_acc[c0:c1], params, acc, True)
-            logp = z.sub_(m_r).sub_(logs_r)  # (z - m) - log s, exact at large logit offsets
-            p = logp.exp()
-            # dz = g (onehot - p) + ge * (-p (log p + H))
-            if ge_r is not None:
-                coef = logp.add_(ent_r).mul_(ge_r.unsqueeze(1))
-                if g_r is not None:
-                    coef.add_(g_r.unsqueeze(1))
-                dz = p.mul_(coef).neg_()
-            else:
-                dz = p.mul_(g_r.unsqueeze(1)).neg_()
-            del z, logp
-            if g_r is not None:
-                in_chunk, col = _target_in_chunk(y_r, c0, c1 - c0)
-                dz.scatter_add_(1, col, torch.where(in_chunk, g_r, 0.0).unsqueeze(1))
-            if params.temperature != 1.0:
-                dz.div_(params.temperature)
-            if u is not None:  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
-                dz.mul_(u.square_().neg_().add_(1.0))
-            del u
+            dz = tile_grad(h_r, w_c, None if bias_acc is None else bias_acc[c0:c1], y_r, g_r, ge_r, m_r, logs_r,
+                           ent_r, c0, c1, params, acc)
             if need_b:
                 db[c0:c1] += dz.sum(0)
             # fp32/fp64 inputs: matmuls in that dtype, accumulated in place (addmm_). bf16/fp16 inputs: dz is cast
@@ -265,25 +273,6 @@ def _backward(ctx, g: Tensor | None, ge: Tensor | None):
     return grad_h, gw, None, grad_b, None
 
 
-class ChunkedLogprobsFunction(torch.autograd.Function):
-    """Autograd wrapper: forward = :func:`_forward`, backward recomputes tiles (:func:`_backward`)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, target_ids, bias, params: LogprobParams):
-        logps, ent, m_all, logs_all = _forward(hidden, weight, target_ids, bias, params)
-        ctx.params = params
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(hidden, weight, target_ids, bias, m_all, logs_all, ent)
-        if params.return_entropy:
-            return logps, ent
-        return logps
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, g, ge=None):
-        return _backward(ctx, g, ge)
-
-
 def chunked_logprobs(
     hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: LogprobParams
 ) -> tuple[Tensor, Tensor | None]:
@@ -295,7 +284,6 @@ def chunked_logprobs(
     """
     assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], "hidden [N, H], weight [V, H]"
     assert target_ids.shape == hidden.shape[:1], "target_ids [N]"
-    out = ChunkedLogprobsFunction.apply(hidden, weight, target_ids, bias, params)
-    if params.return_entropy:
-        return out
-    return out, None
+    from grpo_fast.ops import logprobs_op  # the custom op around _forward / _backward (torch.compile-traceable)
+
+    return logprobs_op(hidden, weight, target_ids, bias, params, impl="torch")

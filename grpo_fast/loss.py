@@ -67,7 +67,7 @@ def _loss_from_logps(impl, logps, advantages, mask, entropy, kw, config):
     if impl == "reference":
         return loss_from_logps_reference(logps, advantages, mask, entropy=entropy, config=config, **kw)
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    loss, *metrics = loss_from_logps_torch(logps, adv, mask, entropy=entropy, config=config, **kw)
+    loss, *metrics = loss_from_logps_torch(logps, adv, mask, entropy=entropy, config=config, impl=impl, **kw)
     return _to_output(loss, logps, metrics, config, entropy is not None)
 
 
@@ -110,7 +110,7 @@ def grpo_loss(
     B, T = target_ids.shape
     mask = _validate_loss_inputs(fn, B, T, hidden.device, advantages, completion_mask, old_logps, ref_logps,
                                  sampling_ratio, num_items_in_batch, None, config)
-    impl = resolve_impl(impl, hidden.device, fn)
+    impl = resolve_impl(impl, hidden.device, fn, hidden.dtype)
     kw = dict(old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=sampling_ratio,
               num_items_in_batch=num_items_in_batch)
     if impl == "reference":
@@ -155,8 +155,6 @@ def grpo_loss_from_logps(
     checks.check_finite(fn, "logps", logps, where=mask)
     checks.check_finite(fn, "entropy", entropy, where=mask)
     impl = resolve_impl(impl, logps.device, fn)
-    if impl == "triton":
-        impl = "torch"  # the [B, T] loss math runs in torch until the fused loss kernel lands
     compute_dtype = torch.float64 if logps.dtype == torch.float64 else torch.float32
     logps = logps.to(compute_dtype)
     entropy = None if entropy is None else entropy.to(compute_dtype)

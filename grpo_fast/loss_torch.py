@@ -210,35 +210,16 @@ def grpo_loss_terms(
     )
 
 
-class _GRPOLossFunction(torch.autograd.Function):
-    """``loss = grpo_loss_terms(logp, entropy, ...).loss`` with the saved analytic gradients as its backward."""
-
-    @staticmethod
-    def forward(ctx, logp, entropy, aux: dict, config: GRPOLossConfig):
-        terms = grpo_loss_terms(logp.detach(), entropy=None if entropy is None else entropy.detach(), config=config, **aux)
-        ctx.save_for_backward(terms.dlogp, terms.dentropy if terms.dentropy is not None else torch.empty(0))
-        ctx.has_dentropy = terms.dentropy is not None
-        metrics = [t if t is not None else torch.full((), float("nan"), dtype=logp.dtype) for t in terms[3:]]
-        ctx.mark_non_differentiable(*metrics)
-        return (terms.loss, *metrics)
-
-    @staticmethod
-    def backward(ctx, grad_loss, *unused):
-        dlogp, dentropy = ctx.saved_tensors
-        g_entropy = dentropy * grad_loss if ctx.has_dentropy and ctx.needs_input_grad[1] else None
-        return dlogp * grad_loss, g_entropy, None, None
-
-
 def loss_from_logps_torch(
-    logps, advantages, mask, *, old_logps, ref_logps, sampling_ratio, num_items_in_batch, entropy, config
+    logps, advantages, mask, *, old_logps, ref_logps, sampling_ratio, num_items_in_batch, entropy, config, impl="torch"
 ):
-    """Scalar loss (differentiable w.r.t. logps and entropy) plus the metric tensors, NaN where undefined."""
-    aux = dict(
-        advantages=advantages,
-        mask=mask,
-        old_logps=old_logps,
-        ref_logps=ref_logps,
-        sampling_ratio=sampling_ratio,
-        num_items_in_batch=num_items_in_batch,
-    )
-    return _GRPOLossFunction.apply(logps, entropy, aux, config)
+    """``(loss, kl, entropy, clip_ratio_low, clip_ratio_high, clip_ratio_region)``: the scalar loss, differentiable
+    w.r.t. logps and entropy, and the metrics (NaN where undefined), through the ``grpo_fast::loss_terms`` custom op
+    (``impl`` "torch": ``grpo_loss_terms``; "triton": its kernel twin)."""
+    from grpo_fast.ops import loss_terms
+
+    if num_items_in_batch is not None:
+        num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=logps.dtype, device=logps.device)
+    loss, _, _, metrics = loss_terms(logps, entropy, advantages, mask, old_logps, ref_logps, sampling_ratio,
+                                     num_items_in_batch, config.to_json(), impl)
+    return (loss, *metrics.unbind(0))

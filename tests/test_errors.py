@@ -120,12 +120,18 @@ def test_module_rejects_non_config():
         GRPOLoss({"loss_type": "grpo"})
 
 
-def test_resolver(caplog):
+def test_resolver(caplog, monkeypatch):
     cpu = torch.device("cpu")
     assert resolve_impl("auto", cpu, "op") == "torch"
     assert resolve_impl("reference", cpu, "op") == "reference"
     with caplog.at_level(logging.DEBUG, logger="grpo_fast"):
         resolve_impl("torch", cpu, "test_resolver_op")
     assert "grpo_fast.test_resolver_op: using impl='torch' on cpu" in caplog.text
-    with pytest.raises((RuntimeError, ValueError), match="triton"):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert resolve_impl("triton", cpu, "op") == "triton"  # the interpreter runs the kernels on CPU
+    assert resolve_impl("auto", cpu, "op") == "torch"  # but auto never picks it there
+    with pytest.raises(ValueError, match="impl='triton' computes in float32 .* got float64"):
+        resolve_impl("triton", cpu, "op", torch.float64)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match=r"impl='triton' needs CUDA tensors \(got device cpu\); set TRITON_INTERPRET=1"):
         resolve_impl("triton", cpu, "op")

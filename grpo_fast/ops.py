@@ -1,0 +1,168 @@
+"""The launchers as torch custom ops (``torch.library``) with fake implementations and registered autograd, so that
+``torch.compile(fullgraph=True)`` traces ``fused_logprobs`` / ``grpo_loss`` as single opaque nodes on either path.
+
+``grpo_fast::logprobs_fwd`` / ``logprobs_bwd``: the chunked log-prob forward and backward (``impl`` "torch" or
+"triton"). ``grpo_fast::loss_terms``: the GRPO loss, ``d loss / d logp``, ``d loss / d entropy`` and the metrics
+(NaN where undefined) in one call. Absent optional outputs are empty tensors (custom ops return tensors only).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import types
+
+import torch
+from torch import Tensor
+
+from grpo_fast.config import GRPOLossConfig
+from grpo_fast.logprobs_torch import LogprobParams, _acc_dtype, _backward, _forward
+
+_EMPTY = (0,)
+
+
+def _absent(x: Tensor | None) -> bool:
+    return x is None or x.numel() == 0
+
+
+# ---------------------------------------------------------------------------------------------------- log-probs
+@torch.library.custom_op("grpo_fast::logprobs_fwd", mutates_args=())
+def logprobs_fwd(
+    hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, temperature: float,
+    softcap: float | None, return_entropy: bool, impl: str, vocab_chunk: int | None = None,
+    token_chunk: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hidden ``[N, H]`` -> (logps ``[N]``, entropy ``[N]`` or empty, m ``[N]``, log_s ``[N]``)."""
+    if impl == "triton":
+        from grpo_fast.kernels.linear_logprobs import linear_logprob_forward
+
+        logps, ent, m, log_s = linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softcap,
+                                                      return_entropy)
+    else:
+        params = LogprobParams(temperature, softcap, return_entropy, vocab_chunk, token_chunk)
+        logps, ent, m, log_s = _forward(hidden, weight, target_ids, bias, params)
+    return logps, (ent if ent is not None else logps.new_empty(_EMPTY)), m, log_s
+
+
+@logprobs_fwd.register_fake
+def _(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl, vocab_chunk=None, token_chunk=None):
+    n = hidden.shape[0]
+    acc = torch.float32 if impl == "triton" else _acc_dtype(hidden.dtype)
+    out = hidden.new_empty((n,), dtype=acc)
+    ent = hidden.new_empty((n,) if return_entropy else _EMPTY, dtype=acc)
+    return out, ent, hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc)
+
+
+@torch.library.custom_op("grpo_fast::logprobs_bwd", mutates_args=())
+def logprobs_bwd(
+    hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, m: Tensor, log_s: Tensor,
+    entropy: Tensor | None, g: Tensor | None, ge: Tensor | None, temperature: float, softcap: float | None,
+    need_hidden: bool, need_weight: bool, need_bias: bool, impl: str, vocab_chunk: int | None = None,
+    token_chunk: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients (d hidden, d weight, d bias; empty where not needed) by the shared chunked backward."""
+    params = LogprobParams(temperature, softcap, not _absent(entropy), vocab_chunk, token_chunk)
+    ctx = types.SimpleNamespace(
+        saved_tensors=(hidden, weight, target_ids, bias, m, log_s, None if _absent(entropy) else entropy),
+        params=params, needs_input_grad=(need_hidden, need_weight, False, need_bias and bias is not None, False),
+    )
+    tile_grad = {}
+    if impl == "triton":
+        from grpo_fast.logprobs_triton import triton_tile_grad
+
+        tile_grad = dict(tile_grad=triton_tile_grad)
+    gh, gw, _, gb, _ = _backward(ctx, None if _absent(g) else g, None if _absent(ge) else ge, **tile_grad)
+    empty = lambda: hidden.new_empty(_EMPTY)  # noqa: E731 (outputs must not alias each other)
+    return (empty() if gh is None else gh), (empty() if gw is None else gw), (empty() if gb is None else gb)
+
+
+@logprobs_bwd.register_fake
+def _(hidden, weight, target_ids, bias, m, log_s, entropy, g, ge, temperature, softcap, need_hidden, need_weight,
+      need_bias, impl, vocab_chunk=None, token_chunk=None):
+    return (hidden.new_empty(hidden.shape if need_hidden else _EMPTY),
+            weight.new_empty(weight.shape if need_weight else _EMPTY),
+            (bias if bias is not None else hidden).new_empty(bias.shape if need_bias and bias is not None else _EMPTY))
+
+
+def _logprobs_setup(ctx, inputs, output):
+    hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl, vocab_chunk, token_chunk = inputs
+    _, ent, m, log_s = output
+    ctx.save_for_backward(hidden, weight, target_ids, bias, m, log_s, ent)
+    ctx.options = (temperature, softcap, impl, vocab_chunk, token_chunk)
+
+
+def _logprobs_backward(ctx, g, ge, _gm, _gl):
+    hidden, weight, target_ids, bias, m, log_s, ent = ctx.saved_tensors
+    temperature, softcap, impl, vocab_chunk, token_chunk = ctx.options
+    need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+    gh, gw, gb = logprobs_bwd(hidden, weight, target_ids, bias, m, log_s, ent, g, ge if not _absent(ent) else None,
+                              temperature, softcap, need_h, need_w, need_b, impl, vocab_chunk, token_chunk)
+    grads = (gh if need_h else None), (gw if need_w else None), None, (gb if need_b else None)
+    return (*grads, None, None, None, None, None, None)
+
+
+logprobs_fwd.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
+
+
+def logprobs_op(hidden, weight, target_ids, bias, params: LogprobParams, impl: str):
+    """``(logps [N], entropy [N] or None)`` through the custom ops; hidden ``[N, H]``."""
+    logps, ent, _, _ = logprobs_fwd(hidden, weight, target_ids, bias, float(params.temperature),
+                                    None if params.softcap is None else float(params.softcap),
+                                    params.return_entropy, impl, params.vocab_chunk, params.token_chunk)
+    return logps, (ent if params.return_entropy else None)
+
+
+# ---------------------------------------------------------------------------------------------------- GRPO loss
+@functools.lru_cache(maxsize=256)
+def config_from_json(text: str) -> GRPOLossConfig:
+    return GRPOLossConfig(**json.loads(text))
+
+
+def _terms_fn(impl: str):
+    if impl == "triton":
+        from grpo_fast.kernels.grpo_loss import grpo_loss_terms_triton
+
+        return grpo_loss_terms_triton
+    from grpo_fast.loss_torch import grpo_loss_terms
+
+    return grpo_loss_terms
+
+
+@torch.library.custom_op("grpo_fast::loss_terms", mutates_args=())
+def loss_terms(
+    logp: Tensor, entropy: Tensor | None, advantages: Tensor, mask: Tensor, old_logps: Tensor | None,
+    ref_logps: Tensor | None, sampling_ratio: Tensor | None, num_items_in_batch: Tensor | None, config_json: str,
+    impl: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(loss ``[]``, d loss / d logp ``[B, T]``, d loss / d entropy ``[B, T]`` or empty, metrics ``[5]``: kl, entropy,
+    clip_ratio_low, clip_ratio_high, clip_ratio_region, NaN where undefined)."""
+    config = config_from_json(config_json)
+    terms = _terms_fn(impl)(
+        logp, advantages, mask, old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=sampling_ratio,
+        num_items_in_batch=num_items_in_batch, entropy=entropy, config=config,
+    )
+    nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
+    metrics = torch.stack([nan if t is None else t.to(logp.dtype) for t in terms[3:]])
+    dent = terms.dentropy if terms.dentropy is not None else logp.new_empty(_EMPTY)
+    return terms.loss.to(logp.dtype), terms.dlogp, dent, metrics
+
+
+@loss_terms.register_fake
+def _(logp, entropy, advantages, mask, old_logps, ref_logps, sampling_ratio, num_items_in_batch, config_json, impl):
+    has_dent = config_from_json(config_json).entropy_coef != 0.0
+    return (logp.new_empty(()), torch.empty_like(logp), torch.empty_like(logp) if has_dent else logp.new_empty(_EMPTY),
+            logp.new_empty((5,)))
+
+
+def _loss_setup(ctx, inputs, output):
+    _, dlogp, dent, _ = output
+    ctx.save_for_backward(dlogp, dent)
+
+
+def _loss_backward(ctx, g_loss, _g_dlogp, _g_dent, _g_metrics):
+    dlogp, dent = ctx.saved_tensors
+    g_ent = None if _absent(dent) or not ctx.needs_input_grad[1] else dent * g_loss
+    return (dlogp * g_loss if ctx.needs_input_grad[0] else None), g_ent, None, None, None, None, None, None, None, None
+
+
+loss_terms.register_autograd(_loss_backward, setup_context=_loss_setup)
