@@ -10,8 +10,11 @@ Algorithm. The forward walks token blocks (outer) and vocab chunks (inner). Each
 one matmul in the input dtype (as an lm_head would), then cast to fp32 (fp64 for fp64 inputs) for the shaping and an
 online logsumexp: a running max ``m`` (starting at -inf), a running ``s = sum exp(z - m)`` and, for the entropy,
 ``t = sum exp(z - m) * (z - m)``, both rescaled when the max moves, plus the target logit when it falls in the chunk.
-``logp = (z[y] - m) - log s`` and ``entropy = log s - t / s`` never subtract two large numbers, so logits offset by 1e4
-lose nothing. The backward (custom autograd) recomputes each tile, forms ``dz`` and multiplies it into ``dh = dz @ W``,
+``s`` and ``t`` carry across chunks in float64 (``[T]`` vectors: free), so the result does not drift with the number of
+vocab chunks. ``logp = (z[y] - m) - log s`` and ``entropy = log s - t / s`` never subtract two large numbers, so logits
+offset by 1e4 lose nothing; ``m`` and ``log s`` are saved apart (not as one ``lse``) so the backward's
+``p = exp((z - m) - log s)`` keeps that property. The backward (custom autograd, ``grpo_fast.ops``) recomputes each
+tile, forms ``dz`` and multiplies it into ``dh = dz @ W``,
 ``dW = dz^T @ h`` and ``db = sum dz``, walking vocab chunks (outer) and token blocks (inner) so each ``dW`` chunk is
 accumulated over all tokens and written once.
 
@@ -166,11 +169,6 @@ def _rows(x: Tensor | None, t0: int, t1: int, idx: Tensor | None) -> Tensor | No
     return x[t0:t1] if idx is None else x.index_select(0, idx)
 
 
-def _mm_acc(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
-    """``a @ b`` as an ``acc`` tensor; bf16/fp16 operands stay in their dtype (see :func:`_backward`)."""
-    return torch.mm(a, b).to(acc)
-
-
 def torch_tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, params, acc):
     """``dz [R, C]`` (acc dtype): d loss / d raw logits of rows ``h_r [R, H]`` against the vocab chunk ``[c0, c1)``.
 
@@ -255,14 +253,14 @@ def _backward(ctx, g: Tensor | None, ge: Tensor | None, tile_grad=torch_tile_gra
                     if same:
                         dh[t0:t1].addmm_(dz_mm, w_c)
                     else:
-                        dh[t0:t1] += _mm_acc(dz_mm, w_c, acc)
+                        dh[t0:t1] += torch.mm(dz_mm, w_c)  # in-place promotion: no fp32 copy of the product
                 else:
-                    dh.index_add_(0, idx, _mm_acc(dz_mm, w_c, acc))
+                    dh.index_add_(0, idx, torch.mm(dz_mm, w_c).to(acc))  # [rows, H]: index_add_ wants one dtype
             if need_w:
                 if same:
                     dw_c.addmm_(dz_mm.t(), h_r)
                 else:
-                    dw_c += _mm_acc(dz_mm.t(), h_r, acc)
+                    dw_c += torch.mm(dz_mm.t(), h_r)
             del dz_mm, h_r
         if need_w and not same:
             gw[c0:c1] = dw_c
@@ -282,7 +280,8 @@ def chunked_logprobs(
     Returns ``(logps [N], entropy [N] or None)``, float32 (float64 for float64 inputs), differentiable w.r.t. hidden,
     weight and bias. Inputs are validated by the caller.
     """
-    assert hidden.dim() == 2 and weight.dim() == 2 and hidden.shape[1] == weight.shape[1], "hidden [N, H], weight [V, H]"
+    assert hidden.dim() == 2 and weight.dim() == 2, "hidden [N, H], weight [V, H]"
+    assert hidden.shape[1] == weight.shape[1], "hidden and weight disagree on H"
     assert target_ids.shape == hidden.shape[:1], "target_ids [N]"
     from grpo_fast.ops import logprobs_op  # the custom op around _forward / _backward (torch.compile-traceable)
 

@@ -9,6 +9,10 @@ if shutil.which("nvidia-smi") is None and "TRITON_INTERPRET" not in os.environ:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Tests check values, never speed: one intra-op thread keeps small-tensor runs fast and steady on a 2-core machine
+# (two threads that do not each get a core stall waiting for each other).
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
