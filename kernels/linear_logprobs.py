@@ -77,8 +77,9 @@ def _linear_logprob_fwd(
     nmask = rn < N
     y = tl.load(y_ptr + rn, mask=nmask, other=0)
     m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_N,), tl.float32)
-    t = tl.zeros((BLOCK_N,), tl.float32)
+    # s and t carry across all V / BLOCK_V tiles (1187 at V=151936): float64 keeps them from drifting; [BLOCK_N] only
+    s = tl.zeros((BLOCK_N,), tl.float64)
+    t = tl.zeros((BLOCK_N,), tl.float64)
     zy = tl.zeros((BLOCK_N,), tl.float32)
     for v0 in range(0, V, BLOCK_V):
         rv = v0 + tl.arange(0, BLOCK_V)
@@ -88,19 +89,19 @@ def _linear_logprob_fwd(
         zy += tl.sum(tl.where(rv[None, :] == y[:, None], z, 0.0), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
         delta = tl.where(s > 0, m - m_new, 0.0)  # m = -inf before the first tile, where s = t = 0
-        alpha = tl.exp(delta)
+        alpha = tl.exp(delta).to(tl.float64)
         zm = z - m_new[:, None]
         e = tl.exp(zm)
         if RETURN_ENTROPY:
-            t = alpha * (t + delta * s) + tl.sum(tl.where(vmask[None, :], e * zm, 0.0), 1)
-        s = alpha * s + tl.sum(e, 1)
+            t = alpha * (t + delta.to(tl.float64) * s) + tl.sum(tl.where(vmask[None, :], e * zm, 0.0), 1).to(tl.float64)
+        s = alpha * s + tl.sum(e, 1).to(tl.float64)
         m = m_new
-    log_s = tl.log(s)
+    log_s = tl.log(s).to(tl.float32)
     tl.store(logp_ptr + rn, (zy - m) - log_s, mask=nmask)
     tl.store(m_ptr + rn, m, mask=nmask)
     tl.store(logs_ptr + rn, log_s, mask=nmask)
     if RETURN_ENTROPY:
-        tl.store(ent_ptr + rn, log_s - t / s, mask=nmask)
+        tl.store(ent_ptr + rn, log_s - (t / s).to(tl.float32), mask=nmask)
 
 
 @triton.jit
