@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The one GPU check: CUDA tests of the Triton kernels, then the GPU benchmarks, then a short results table.
+# Installs nothing from the network (only grpo-fast itself, in place, so that `grpo_fast.kernels` maps to kernels/);
+# expects torch, triton and transformers on the machine (liger-kernel optional: its rows then record the error).
+# Budget: under 8 minutes on one H200. Results go to $OUT (default bench/results/gpu).
+#   bash bench/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
+start=$(date +%s)
+python -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
+  || echo "note: in-place install failed (see $OUT/install.log); kernels may not import"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+
+echo "== CUDA tests (kernels on the GPU, bf16, V=151936 / N=65553)"
+timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_logprobs_torch.py -x \
+  -k "not peak_memory" 2>&1 | tee "$OUT/tests.log" | tail -5
+tests_rc=${PIPESTATUS[0]}
+
+echo "== GPU benchmark: grpo_loss fwd+bwd, bf16, H=4096"
+bench_rc=0
+for n in 8192 16384; do
+  timeout 150 python -m bench.bench_loss --device cuda --dtype bf16 --n "$n" --batch 8 --h 4096 \
+    --vocab 128256 151936 --reps 5 --csv "$OUT/loss_gpu_n$n.csv" 2>&1 | tee "$OUT/bench_n$n.log" | tail -12
+  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && bench_rc=$rc
+done
+
+echo "== summary ($(($(date +%s) - start)) s): tests rc=$tests_rc, bench rc=$bench_rc; files in $OUT"
