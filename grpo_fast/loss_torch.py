@@ -193,8 +193,9 @@ def grpo_loss_terms(
 
     low = high = region = None
     if loss_type.is_clip_family:
-        is_low = (r < 1 - config.epsilon_low) & (adv < 0)
-        is_high = (r > 1 + config.eps_high) & (adv > 0)
+        r_seen = r if config.delta is None else torch.clamp(r, max=config.delta)  # TRL counts on the clamped ratio
+        is_low = (r_seen < 1 - config.epsilon_low) & (adv < 0)
+        is_high = (r_seen > 1 + config.eps_high) & (adv > 0)
         low, high, region = ratio_mean(is_low), ratio_mean(is_high), ratio_mean(is_low | is_high)
     elif loss_type == LossType.CISPO:
         high = ratio_mean((r > config.eps_high) & (adv > 0))

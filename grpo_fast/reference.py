@@ -164,8 +164,9 @@ def loss_from_logps_reference(
     ent = masked_mean(entropy) if entropy is not None else None
     low = high = region = None
     if loss_type.is_clip_family:
-        is_low = (coef_1 < 1 - config.epsilon_low) & (adv < 0)
-        is_high = (coef_1 > 1 + config.eps_high) & (adv > 0)
+        # TRL counts clipping on the delta-clamped ratio
+        is_low = (clipped_coef_1 < 1 - config.epsilon_low) & (adv < 0)
+        is_high = (clipped_coef_1 > 1 + config.eps_high) & (adv > 0)
         low, high, region = masked_mean(is_low), masked_mean(is_high), masked_mean(is_low | is_high)
     elif loss_type == LossType.CISPO:
         high = masked_mean((coef_1 > config.eps_high) & (adv > 0))

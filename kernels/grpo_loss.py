@@ -145,8 +145,8 @@ def _grpo_loss_kernel(
             policy = -tl.minimum(a, b)
             dp_dr = -(take_a * adv * dr1 + (1.0 - take_a) * adv * dr2)
             dp_dlogp = zero
-            is_low = (r < 1.0 - eps_low) & (adv < 0)
-            is_high = (r > 1.0 + eps_high) & (adv > 0)
+            is_low = (r1 < 1.0 - eps_low) & (adv < 0)  # TRL counts clipping on the delta-clamped ratio
+            is_high = (r1 > 1.0 + eps_high) & (adv > 0)
         elif LOSS_TYPE == 1:  # cispo: -min(r, eps_high).detach() * A * logp
             c = tl.minimum(r, eps_high)
             policy = -c * adv * logp
@@ -234,8 +234,11 @@ def _grpo_loss_kernel(
         # one flag per sequence (TRL logs the mean over sequences, all-masked ones included)
         adv_row = tl.load(adv_ptr + row).to(dtype)
         if LOSS_TYPE == 0:
-            low_sum = ((r_seq < 1.0 - eps_low) & (adv_row < 0)).to(dtype)
-            high_sum = ((r_seq > 1.0 + eps_high) & (adv_row > 0)).to(dtype)
+            r_seen = r_seq
+            if HAS_DELTA:
+                r_seen = tl.minimum(r_seq, delta)
+            low_sum = ((r_seen < 1.0 - eps_low) & (adv_row < 0)).to(dtype)
+            high_sum = ((r_seen > 1.0 + eps_high) & (adv_row > 0)).to(dtype)
         elif LOSS_TYPE == 1:
             low_sum = (adv_row != adv_row).to(dtype)
             high_sum = ((r_seq > eps_high) & (adv_row > 0)).to(dtype)

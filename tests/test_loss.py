@@ -51,7 +51,7 @@ def _run_from_logps(batch, config, impl, upstream, old_given=True, nitems=None):
 LOSS_GRID = [
     case
     for case in itertools.product(list(LossType), ["token", "sequence"], [(0.0, False), (0.04, False), (0.04, True)],
-                                  [None, 1.5])
+                                  [None, 1.5, 1.05])
     if case[3] is None or case[0].is_clip_family  # delta only applies to the clip family
 ]
 

@@ -150,6 +150,7 @@ def test_loss_matches_trl_compute_loss(loss_type, level, beta_kl):
 # name -> (GRPOLossConfig overrides, _case overrides)
 SWEEPS = {
     "delta": (dict(delta=1.5), {}),
+    "delta_below_clip": (dict(delta=1.05), {}),  # delta < 1 + epsilon_high: TRL counts clips on the clamped ratio
     "ratio_token": ({}, dict(sampling="token")),
     "ratio_sequence": ({}, dict(sampling="sequence")),
     "top_entropy": (dict(top_entropy_quantile=0.3), {}),

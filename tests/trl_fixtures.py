@@ -6,13 +6,18 @@ initialised one-layer Qwen2 (hidden size 32) saved to a temporary folder.
 - ``trl_compute_loss`` runs TRL's own unbound ``GRPOTrainer._compute_loss`` on a minimal stand-in for ``self`` whose
   ``_get_per_token_logps_and_entropies`` computes log-probs from leaf tensors with ``logprobs_reference``.
 - ``tiny_tokenizer`` / ``save_tiny_model`` / ``build_tiny_grpo_trainer`` make a real ``GRPOTrainer`` on CPU.
-- ``scripted_reward_funcs`` returns reward functions that hand back fixed, scripted values (None included).
+- ``scripted_reward_funcs`` returns reward functions that hand back fixed, scripted values (None included);
+  ``token_sum_reward`` a varied deterministic one that can record the completions it scored.
+- ``scripted_rollout``: a TRL ``rollout_func`` with seeded completions that do not depend on the model.
+- ``MaterializedLogitsGRPOTrainer``: ``GRPOTrainer`` on the model's full logits (the float64 oracle of the drop-in
+  parity tests, and the "materialised" variant of ``bench/bench_trl.py``).
 
 This module imports trl: import it only after ``pytest.importorskip("trl")``.
 """
 
 from __future__ import annotations
 
+import itertools
 import types
 from collections import defaultdict
 from pathlib import Path
@@ -208,24 +213,28 @@ def tiny_tokenizer(num_words: int = 29):
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
 
 
-def tiny_qwen2(vocab_size: int, seed: int = 0):
-    """A randomly initialised one-layer Qwen2 causal LM (hidden 32, 2 heads, 1 KV head)."""
+def tiny_qwen2(vocab_size: int, seed: int = 0, **config_overrides):
+    """A randomly initialised one-layer Qwen2 causal LM (hidden 32, 2 heads, 1 KV head); ``config_overrides`` go to
+    ``Qwen2Config`` (e.g. ``tie_word_embeddings=True``)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=64, max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-    )
+    config = Qwen2Config(**{
+        **dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, intermediate_size=64, max_position_embeddings=64, pad_token_id=0,
+               eos_token_id=1, bos_token_id=None),
+        **config_overrides,
+    })
     return Qwen2ForCausalLM(config)
 
 
-def save_tiny_model(directory) -> str:
-    """Save ``tiny_qwen2`` and ``tiny_tokenizer`` to ``directory``; return it. Load the tokenizer back with
+def save_tiny_model(directory, model_factory=None, **config_overrides) -> str:
+    """Save a tiny causal LM and ``tiny_tokenizer`` to ``directory``; return it. The model is
+    ``model_factory(vocab_size, **config_overrides)`` (default ``tiny_qwen2``). Load the tokenizer back with
     ``load_tiny_tokenizer``, not ``AutoTokenizer``."""
     directory = Path(directory)
     tokenizer = tiny_tokenizer()
-    tiny_qwen2(len(tokenizer)).save_pretrained(directory)
+    (model_factory or tiny_qwen2)(len(tokenizer), **config_overrides).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
 
@@ -256,8 +265,11 @@ def scripted_reward_funcs(scripts: dict[str, list]):
     return [make(name, values) for name, values in scripts.items()]
 
 
-def build_tiny_grpo_trainer(model_dir, output_dir, reward_funcs, prompts, **config_overrides):
-    """A ``GRPOTrainer`` on CPU over the model/tokenizer in ``model_dir``; logging, saving and reporting off."""
+def build_tiny_grpo_trainer(model_dir, output_dir, reward_funcs, prompts, *, trainer_cls=None, model=None,
+                            trainer_kwargs=None, **config_overrides):
+    """A ``GRPOTrainer`` (or ``trainer_cls``) on CPU over the model/tokenizer in ``model_dir``; logging, saving and
+    reporting off. ``model``: an instantiated model to train instead of loading ``model_dir``; ``trainer_kwargs``:
+    more constructor arguments (``peft_config``, ``rollout_func``, ...)."""
     from datasets import Dataset
 
     settings = dict(
@@ -266,11 +278,79 @@ def build_tiny_grpo_trainer(model_dir, output_dir, reward_funcs, prompts, **conf
         seed=0, disable_tqdm=True,
     )
     settings.update(config_overrides)
-    return GRPOTrainer(
-        model=model_dir,
+    return (trainer_cls or GRPOTrainer)(
+        model=model_dir if model is None else model,
         reward_funcs=reward_funcs,
         args=GRPOConfig(**settings),
         train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
         processing_class=load_tiny_tokenizer(model_dir),
+        **(trainer_kwargs or {}),
     )
 
+
+class MaterializedLogitsGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose log-probs come from the model's full logits (what TRL did before its fused head): the
+    model's own forward (logit scale and softcap included), ``/ temperature``, ``log_softmax``, gather; entropy from
+    the same logits. In a float64 model every step is float64, so TRL's own ``_compute_loss`` on top of it is the
+    float64 oracle of the drop-in parity tests. Padding positions get 0, as TRL's fused head returns them."""
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        assert not compute_aux_loss and all(v is None for v in multimodal.values())
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        logits = logits[:, -logits_to_keep - 1 : -1] / self.temperature
+        log_probs = logits.log_softmax(-1)
+        logps = log_probs.gather(-1, input_ids[:, -logits_to_keep:, None])[..., 0]
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+        scored = attention_mask[:, -logits_to_keep:].bool()
+        return logps.masked_fill(~scored, 0.0), entropy.masked_fill(~scored, 0.0) if compute_entropy else None, None
+
+
+def token_sum_reward(record: list | None = None):
+    """A reward function ``sum(completion_ids) % 7`` (varied, deterministic); appends each batch's completion ids to
+    ``record`` when given, so tests can check that two runs sampled the same completions."""
+
+    def token_sum(prompts, completions, completion_ids, **kwargs):
+        if record is not None:
+            record.append([list(ids) for ids in completion_ids])
+        return [float(sum(ids) % 7) for ids in completion_ids]
+
+    return token_sum
+
+
+
+def scripted_rollout(max_completion_length: int, seed: int = 0, env_mask: bool = False, full_length: bool = False):
+    """A TRL ``rollout_func`` whose completions come from a seeded generator, not from the model.
+
+    TRL's own sampling makes the completions of step 2 depend on the weights after step 1, which differ between a
+    float32 and a float64 run by rounding; one token drawn near a boundary of the cumulative distribution then splits
+    the runs apart (it happens). Scripted completions are identical in every run by construction, so a parity test
+    compares training on the same data. Each call draws, per prompt, a length in [1, max_completion_length] and
+    tokens from the word ids; about half of the completions shorter than the maximum end in EOS (id 1), the rest
+    are cut. ``env_mask``: also return TRL's ``env_mask`` (its tool mask), hiding a random third of the tokens.
+    ``full_length``: every completion has ``max_completion_length`` tokens and no EOS (benchmarks). Build one per
+    trainer: the call counter is part of the seed.
+    """
+    calls = itertools.count()
+
+    def rollout(prompts, trainer):
+        gen = torch.Generator().manual_seed(seed * 100_003 + next(calls))
+        tokenizer = trainer.processing_class
+        vocab = len(tokenizer)
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        completion_ids, masks = [], []
+        for _ in prompts:
+            n = max_completion_length
+            if not full_length:
+                n = int(torch.randint(1, max_completion_length + 1, (1,), generator=gen))
+            ids = torch.randint(3, vocab, (n,), generator=gen).tolist()
+            if not full_length and n < max_completion_length and bool(torch.rand((), generator=gen) < 0.5):
+                ids[-1] = tokenizer.eos_token_id
+            completion_ids.append(ids)
+            masks.append((torch.rand(n, generator=gen) > 0.33).long().tolist())
+        out = {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+        if env_mask:
+            out["env_mask"] = masks
+        return out
+
+    return rollout

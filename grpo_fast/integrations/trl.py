@@ -16,14 +16,13 @@ Same constructor, same config, same generation, rewards, advantages, logging and
 The hook lives on one module for the duration of one forward call and is removed in a ``finally``: nothing is patched
 globally, a plain ``GRPOTrainer`` in the same process is untouched, and the forward still goes through every wrapper
 the model has (accelerate/DDP, PEFT adapters, autocast). Options this trainer cannot reproduce exactly are refused when
-it is constructed, never ignored: see :data:`REFUSED` and ``docs/trl.md``.
+it is constructed, never ignored (the table with the reasons is in ``docs/trl.md``).
 
 Importing this module imports trl (>= 1.16); ``import grpo_fast`` does not.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import inspect
@@ -53,7 +52,7 @@ if Version(trl.__version__) < Version(MIN_TRL):
         f"got trl {trl.__version__}: pip install -U 'trl>={MIN_TRL}'"
     )
 
-__all__ = ["FastGRPOTrainer", "REFUSED"]
+__all__ = ["FastGRPOTrainer"]
 
 # Loss types whose TRL normaliser is the generation batch's token count (the rest divide by GA).
 _TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
@@ -77,28 +76,6 @@ _KNOWN_GRPO_FIELDS = frozenset(
     log_completions_hub_repo use_transformers_continuous_batching transformers_continuous_batching_config
     use_transformers_paged vllm_importance_sampling_cap""".split()
 )
-
-# What is refused at construction, and why (docs/trl.md repeats this table).
-REFUSED = {
-    "use_liger_kernel=True": "Liger patches the model classes globally and TRL deprecates the option; grpo-fast "
-    "already replaces the loss head. Set use_liger_kernel=False.",
-    "use_adaptive_entropy=True": "the adaptive controller needs window-global entropy statistics over the "
-    "high-entropy mask, which the fused loss does not return. Use a fixed entropy_coef.",
-    "off_policy_mask_threshold with loss_type='vespo'": "VESPO folds importance weights into its gamma weight, so the "
-    "sequence mask cannot be applied as a weight. Use another loss_type or unset off_policy_mask_threshold.",
-    "a MoE load-balancing loss (router_aux_loss_coef != 0 on a model with router logits)": "the auxiliary loss is "
-    "not added. Pass router_aux_loss_coef=0.0.",
-    "vision-language models (a ProcessorMixin processing_class)": "multimodal inputs are not forwarded yet.",
-    "PEFT prompt learning (prompt/prefix/p-tuning)": "untested with the hidden-state capture; use LoRA-style adapters.",
-    "a PEFT adapter on the lm_head (target_modules or modules_to_save)": "the loss reads lm_head.weight directly, so "
-    "the adapter would get no gradient (TRL 1.16 refuses target_modules on lm_head for the same reason).",
-    "a quantized lm_head": "the fused op needs a floating-point weight.",
-    "FSDP, DeepSpeed ZeRO-3": "the loss reads lm_head.weight outside the sharded forward.",
-    "top_entropy_quantile < 1 on more than one process": "TRL takes the entropy quantile over all processes; "
-    "grpo-fast's mask is per process.",
-    "GRPOConfig fields newer than TRL 1.16, set away from their default": "their semantics are unknown here.",
-}
-
 
 class FastGRPOTrainer(GRPOTrainer):
     """TRL's ``GRPOTrainer`` whose loss runs through ``grpo_loss`` from the last hidden state and the lm_head weight.
@@ -159,10 +136,12 @@ class FastGRPOTrainer(GRPOTrainer):
         if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
             out.append(f"{type(model).__name__} has no output embedding with a weight (get_output_embeddings() "
                        f"returned {type(head).__name__}); FastGRPOTrainer needs the lm_head weight")
-        elif type(head).__module__.split(".")[0] == "peft":
+        elif type(head).__module__.split(".")[0] == "peft" and type(head).__name__ != "ModulesToSaveWrapper":
+            # modules_to_save=["lm_head"] is fine: the wrapper's .weight is the trainable copy (the original while
+            # adapters are disabled, i.e. in the reference pass). A tuner layer's .weight is the frozen base.
             out.append(f"a PEFT adapter on the lm_head ({type(head).__name__}): the loss reads lm_head.weight "
-                       "directly, so the adapter would get no gradient; remove 'lm_head' from target_modules and "
-                       "modules_to_save")
+                       "directly, so the adapter would get no gradient; remove 'lm_head' from target_modules (or "
+                       "train a full copy of it with modules_to_save=['lm_head'])")
         elif not head.weight.dtype.is_floating_point:
             out.append(f"a quantized lm_head (weight dtype {head.weight.dtype}): the fused log-prob op needs a "
                        "floating-point weight; keep the lm_head unquantized (e.g. llm_int8_skip_modules=['lm_head'])")
@@ -403,6 +382,8 @@ class FastGRPOTrainer(GRPOTrainer):
             metrics["entropy"].append(reduce_mean(out.entropy.to(count.dtype) * count, count))
 
         if self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+            if self.args.delta is not None:  # TRL clamps coef_1 in place before it counts the clipped ratios
+                coef_1 = torch.clamp(coef_1, max=self.args.delta)
             is_low = (coef_1 < 1 - self.epsilon_low) & (advantages < 0)
             is_high = (coef_1 > 1 + self.epsilon_high) & (advantages > 0)
             metrics["clip_ratio/low_mean"].append(global_masked_mean(is_low.float()))
