@@ -1,0 +1,2 @@
+"""grpo-fast benchmarks: one harness (``bench.harness``), one model registry (``bench.models``), CSV in
+``bench/results/``, plots made from the CSV (``bench.plot``)."""
