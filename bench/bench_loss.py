@@ -9,7 +9,9 @@ Implementations (``--impls``):
   torch      grpo-fast ``impl="torch"``: vocab-chunked online logsumexp, recomputing backward, no N x V tensor
   reference  grpo-fast ``impl="reference"``: materialised ``[B, T, V]`` logits, i.e. what trainers do today
   liger      Liger-Kernel ``LigerFusedLinearGRPOLoss`` (same loss config; ``compiled=False`` on CPU)
-  triton     grpo-fast ``impl="triton"`` (CUDA only, once the kernels exist)
+  triton     grpo-fast ``impl="triton"`` (CUDA only)
+  liger_triton  Liger-Kernel's Triton ``triton_grpo_loss`` on materialised logits (the lm_head matmul is timed too)
+  matmul     the floor: the three bare lm_head matmuls of a step (logits, d hidden, d weight), no loss at all
 
 Per shape, one fresh process first checks correctness: each implementation's loss against a float64 oracle (the
 reference run in float64, row block by row block), with the tolerance rule of ``grpo_fast.testing``
@@ -45,7 +47,8 @@ from bench import harness
 from bench.models import MODELS, get_model
 
 BENCHMARK = "grpo_loss_fwd_bwd"
-ALL_IMPLS = ("torch", "reference", "liger", "triton")
+ALL_IMPLS = ("torch", "reference", "liger", "triton", "liger_triton", "matmul")
+NO_LOSS_IMPLS = ("matmul",)  # timing floors, not losses: left out of the correctness check
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The loss every implementation computes (GRPOLossConfig fields; mapped onto Liger's arguments in _liger_step).
 LOSS = dict(loss_type="dapo", beta=0.04, epsilon=0.2, temperature=1.0)
@@ -109,6 +112,50 @@ def make_loss(impl: str, x: dict, device: str, softcap):
 
         return step
 
+    if impl == "liger_triton":
+        if softcap is not None:
+            raise ValueError("Liger's triton_grpo_loss has no final-logit softcapping")
+        try:
+            from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+        except ImportError as e:
+            raise ImportError("impl 'liger_triton' needs liger-kernel: pip install 'grpo-fast[bench]'") from e
+        cfg = _loss_config(None)
+
+        def step():
+            # Liger wants [B, T + 1, V] logits (the last position is dropped): one extra hidden row, not a copy
+            h = torch.cat([x["hidden"], x["hidden"][:, -1:]], dim=1)
+            logits = h @ x["weight"].t()
+            loss, _metrics = triton_grpo_loss(
+                logits, None, x["ref_logps"], x["target_ids"], x["advantages"], x["completion_mask"],
+                temperature=cfg.temperature, beta=cfg.beta, eps_low=cfg.epsilon_low, eps_high=cfg.eps_high,
+                loss_type=cfg.loss_type.value, reduce=True)
+            return loss
+
+        return step
+
+    if impl == "matmul":
+        grad_logits = {}
+
+        class _BareMatmuls:
+            """``backward()`` runs d hidden = g @ W and d weight = g^T @ h for a fixed upstream g: with the logits
+            matmul of the forward, the 6 N H V FLOPs every fused loss is measured against."""
+
+            def __init__(self, logits):
+                self.logits = logits
+
+            def backward(self):
+                if "g" not in grad_logits:
+                    grad_logits["g"] = torch.randn_like(self.logits) * 1e-3
+                self.logits.backward(grad_logits["g"])
+
+            def detach(self):
+                return torch.zeros(())
+
+        def step():
+            return _BareMatmuls(x["hidden"] @ x["weight"].t())
+
+        return step
+
     from grpo_fast import grpo_loss
 
     cfg = _loss_config(softcap)
@@ -143,7 +190,7 @@ def check_shape(*, impls: list, shape: dict, device: str, threads: int) -> dict:
     x = make_inputs(**shape["inputs"], device=device)
     oracle = _oracle_loss_fp64(x, shape["softcap"])
     losses, errors = {}, {}
-    for impl in dict.fromkeys(["reference", *impls]):  # the reference at this dtype sets the tolerance
+    for impl in dict.fromkeys(["reference", *(i for i in impls if i not in NO_LOSS_IMPLS)]):  # reference: the bound
         try:
             with torch.no_grad():  # Liger differentiates inside its forward regardless
                 losses[impl] = float(make_loss(impl, x, device, shape["softcap"])())
@@ -248,13 +295,9 @@ def _shapes(args) -> list[dict]:
 
 
 def _default_impls(device: str) -> list[str]:
-    impls = ["torch", "reference", "liger"]
     if torch.device(device).type == "cuda":
-        from grpo_fast.dispatch import triton_available
-
-        if triton_available():
-            impls.insert(0, "triton")
-    return impls
+        return ["triton", "reference", "liger", "liger_triton", "matmul"]
+    return ["torch", "reference", "liger"]
 
 
 def _check(shape, impls, run) -> dict:
@@ -276,7 +319,9 @@ def _check(shape, impls, run) -> dict:
     bound = 2.0 * abs(losses["reference"] - oracle) + ATOL[DTYPES[shape["inputs"]["dtype"]]]
     out = {}
     for impl in impls:
-        if impl in losses:
+        if impl in NO_LOSS_IMPLS:
+            out[impl] = {"check": "n/a (timing floor, no loss)"}
+        elif impl in losses:
             err = abs(losses[impl] - oracle)
             out[impl] = {"loss": losses[impl], "err": err, "bound": bound, "check": "ok" if err <= bound else "FAIL"}
             print(f"    check {impl:>9}: loss {losses[impl]:+.8f}  |loss - fp64 oracle| = {err:.2e}  "

@@ -15,15 +15,18 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
 echo "== CUDA tests (kernels on the GPU, bf16, V=151936 / N=65553)"
-timeout 240 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_logprobs_torch.py -x \
+timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_logprobs_torch.py -x \
   -k "not peak_memory" 2>&1 | tee "$OUT/tests.log" | tail -5
 tests_rc=${PIPESTATUS[0]}
 
 echo "== GPU benchmark: grpo_loss fwd+bwd, bf16, H=4096"
 bench_rc=0
 for n in 8192 16384; do
-  timeout 150 python -m bench.bench_loss --device cuda --dtype bf16 --n "$n" --batch 8 --h 4096 \
-    --vocab 128256 151936 --reps 5 --csv "$OUT/loss_gpu_n$n.csv" 2>&1 | tee "$OUT/bench_n$n.log" | tail -12
+  # triton vs the materialised reference vs Liger (chunked, and its Triton loss on logits) vs the bare matmuls
+  timeout 160 python -m bench.bench_loss --device cuda --dtype bf16 --n "$n" --batch 8 --h 4096 \
+    --vocab 128256 151936 --warmup 2 --reps 5 --timeout 60 \
+    --impls triton reference liger liger_triton matmul --csv "$OUT/loss_gpu_n$n.csv" 2>&1 \
+    | tee "$OUT/bench_n$n.log" | tail -13
   rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && bench_rc=$rc
 done
 
