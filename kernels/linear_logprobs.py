@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.dispatch import triton_interpreting
+
 
 @triton.jit
 def _tanh(x):
@@ -152,12 +154,6 @@ def _blocks(H: int):
     if interpret:  # the interpreter runs a program per tile in numpy: few, large tiles are fastest
         return 32, 128, min(128, triton.next_power_of_2(H))
     return 64, 128, 64
-
-
-def triton_interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softcap, return_entropy):
