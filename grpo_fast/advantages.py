@@ -105,9 +105,9 @@ def group_advantages(
         raise ValueError(f"{fn}: eps must be a finite number >= 0, got {eps!r}")
     if (group_size is None) == (group_ids is None):
         raise ValueError(f"{fn}: pass exactly one of group_size or group_ids, got group_size={group_size!r} and "
-                         f"group_ids={'None' if group_ids is None else checks._describe(group_ids)}")
+                         f"group_ids={'None' if group_ids is None else checks.describe(group_ids)}")
     if n == 0:
-        raise ValueError(f"{fn}: rewards must hold at least one row, got {checks._describe(rewards)}")
+        raise ValueError(f"{fn}: rewards must hold at least one row, got {checks.describe(rewards)}")
     if group_size is not None:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or n % group_size:
             raise ValueError(f"{fn}: group_size must be a positive int dividing the {n} rows of rewards, "
@@ -128,7 +128,7 @@ def group_advantages(
                              f"got shape {tuple(weights.shape)}")
         checks.check_finite(fn, "reward_weights", weights)
     if bool(torch.isinf(r).any()):
-        raise ValueError(f"{fn}: rewards must be finite or NaN (no score), got inf in {checks._describe(rewards)}")
+        raise ValueError(f"{fn}: rewards must be finite or NaN (no score), got inf in {checks.describe(rewards)}")
 
     impl = resolve_impl(impl, rewards.device, fn)
     if impl == "reference":

@@ -8,7 +8,7 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _describe(x) -> str:
+def describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
     return f"{type(x).__name__} {x!r}"
@@ -25,20 +25,20 @@ def check_tensor(fn: str, name: str, x, *, shape=None, ndim=None, dtypes=None, d
             return
         raise TypeError(f"{fn}: {name} is required, got None")
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {_describe(x)}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {describe(x)}")
     if ndim is not None and x.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
-        raise ValueError(f"{fn}: {name} must have {ndim} dimensions, got {_describe(x)}")
+        raise ValueError(f"{fn}: {name} must have {ndim} dimensions, got {describe(x)}")
     if shape is not None:
         ok = len(shape) == x.dim() and all(s is None or s == d for s, d in zip(shape, x.shape))
         if not ok:
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
-            raise ValueError(f"{fn}: {name} must have shape {want}, got {_describe(x)}")
+            raise ValueError(f"{fn}: {name} must have shape {want}, got {describe(x)}")
     if dtypes == "float" and x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{fn}: {name} must be float32, bfloat16, float16 or float64, got {_describe(x)}")
+        raise TypeError(f"{fn}: {name} must be float32, bfloat16, float16 or float64, got {describe(x)}")
     if dtypes == "int" and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
-        raise TypeError(f"{fn}: {name} must be an integer tensor of token ids, got {_describe(x)}")
+        raise TypeError(f"{fn}: {name} must be an integer tensor of token ids, got {describe(x)}")
     if device is not None and x.device != device:
-        raise ValueError(f"{fn}: {name} must be on {device} like hidden, got {_describe(x)}")
+        raise ValueError(f"{fn}: {name} must be on {device} like hidden, got {describe(x)}")
 
 
 def check_finite(fn: str, name: str, x: torch.Tensor, where: torch.Tensor | None = None):
@@ -55,7 +55,7 @@ def check_finite(fn: str, name: str, x: torch.Tensor, where: torch.Tensor | None
         bad = ~torch.isfinite(x) & where
         if not bool(bad.any()):
             return
-    raise ValueError(f"{fn}: {name} must be finite, got {int(bad.sum())} NaN/inf value(s) in {_describe(x)}")
+    raise ValueError(f"{fn}: {name} must be finite, got {int(bad.sum())} NaN/inf value(s) in {describe(x)}")
 
 
 def check_token_ids(fn: str, name: str, ids: torch.Tensor, vocab: int):
@@ -71,7 +71,7 @@ def check_mask(fn: str, name: str, mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask
     if not _tracing() and bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"{fn}: {name} must hold only 0 and 1, got other values in {_describe(mask)}")
+        raise ValueError(f"{fn}: {name} must hold only 0 and 1, got other values in {describe(mask)}")
     return mask != 0
 
 

@@ -15,18 +15,18 @@ def validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, s
     """Checks shared by ``fused_logprobs`` and ``grpo_loss``; returns the vocab size."""
     checks.check_tensor(fn, "hidden", hidden, dtypes="float")
     if hidden.dim() < 2:
-        raise ValueError(f"{fn}: hidden must be [..., H] with at least 2 dimensions, got {checks._describe(hidden)}")
+        raise ValueError(f"{fn}: hidden must be [..., H] with at least 2 dimensions, got {checks.describe(hidden)}")
     checks.check_tensor(fn, "weight", weight, shape=(None, hidden.shape[-1]), dtypes="float", device=hidden.device)
     if weight.dtype != hidden.dtype:
         raise TypeError(
-            f"{fn}: weight must have the dtype of hidden ({hidden.dtype}), got {checks._describe(weight)}; "
+            f"{fn}: weight must have the dtype of hidden ({hidden.dtype}), got {checks.describe(weight)}; "
             "cast one of them explicitly (e.g. hidden.to(weight.dtype))"
         )
     vocab = weight.shape[0]
     checks.check_tensor(fn, "target_ids", target_ids, shape=tuple(hidden.shape[:-1]), dtypes="int", device=hidden.device)
     checks.check_tensor(fn, "bias", bias, shape=(vocab,), dtypes="float", device=hidden.device, optional=True)
     if bias is not None and bias.dtype != hidden.dtype:
-        raise TypeError(f"{fn}: bias must have the dtype of hidden ({hidden.dtype}), got {checks._describe(bias)}")
+        raise TypeError(f"{fn}: bias must have the dtype of hidden ({hidden.dtype}), got {checks.describe(bias)}")
     checks.check_positive_scalar(fn, "temperature", temperature)
     checks.check_positive_scalar(fn, "softcap", softcap, optional=True)
     checks.check_token_ids(fn, "target_ids", target_ids, vocab)

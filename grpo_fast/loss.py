@@ -22,13 +22,13 @@ def _validate_loss_inputs(fn, B, T, device, advantages, completion_mask, old_log
     mask = checks.check_mask(fn, "completion_mask", completion_mask)
     checks.check_tensor(fn, "advantages", advantages, ndim=(1, 2), dtypes="float", device=device)
     if tuple(advantages.shape) not in ((B,), (B, T)):
-        raise ValueError(f"{fn}: advantages must have shape [{B}] or [{B}, {T}], got {checks._describe(advantages)}")
+        raise ValueError(f"{fn}: advantages must have shape [{B}] or [{B}, {T}], got {checks.describe(advantages)}")
     for name, x in (("old_logps", old_logps), ("ref_logps", ref_logps), ("entropy", entropy)):
         checks.check_tensor(fn, name, x, shape=(B, T), dtypes="float", device=device, optional=True)
     checks.check_tensor(fn, "sampling_ratio", sampling_ratio, ndim=2, dtypes="float", device=device, optional=True)
     if sampling_ratio is not None and tuple(sampling_ratio.shape) not in ((B, T), (B, 1)):
         raise ValueError(
-            f"{fn}: sampling_ratio must have shape [{B}, {T}] or [{B}, 1], got {checks._describe(sampling_ratio)}"
+            f"{fn}: sampling_ratio must have shape [{B}, {T}] or [{B}, 1], got {checks.describe(sampling_ratio)}"
         )
     if config.beta != 0.0 and ref_logps is None:
         raise ValueError(
@@ -39,7 +39,7 @@ def _validate_loss_inputs(fn, B, T, device, advantages, completion_mask, old_log
         n = num_items_in_batch
         if isinstance(n, torch.Tensor):
             if n.numel() != 1:
-                raise ValueError(f"{fn}: num_items_in_batch must be a scalar, got {checks._describe(n)}")
+                raise ValueError(f"{fn}: num_items_in_batch must be a scalar, got {checks.describe(n)}")
         elif isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
             raise ValueError(f"{fn}: num_items_in_batch must be a number >= 0 or a scalar tensor, got {n!r}")
     checks.check_finite(fn, "advantages", advantages)
@@ -105,7 +105,7 @@ def grpo_loss(
         raise TypeError(f"{fn}: config must be a GRPOLossConfig, got {type(config).__name__}")
     checks.check_tensor(fn, "hidden", hidden, dtypes="float")
     if hidden.dim() != 3:
-        raise ValueError(f"{fn}: hidden must be [B, T, H], got {checks._describe(hidden)}")
+        raise ValueError(f"{fn}: hidden must be [B, T, H], got {checks.describe(hidden)}")
     validate_logprob_inputs(fn, hidden, weight, target_ids, bias, config.temperature, config.softcap)
     B, T = target_ids.shape
     mask = _validate_loss_inputs(fn, B, T, hidden.device, advantages, completion_mask, old_logps, ref_logps,

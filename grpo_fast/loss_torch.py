@@ -42,7 +42,7 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_qua
 
 
 def _vespo_phi(adv, log_ratio, mask, sampling_ratio, config):
-    """TRL ``get_gamma_weights``: ``[B, 1]``, no gradient."""
+    """TRL ``get_gamma_weights`` (no gradient): one weight per sequence, broadcast like ``adv`` (``[B, T]`` here)."""
     lower = math.log(1e-8)
     seq = torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
     if sampling_ratio is not None:
@@ -168,10 +168,9 @@ def grpo_loss_terms(
             dl_dlogp = dl_dlogp + config.beta * dkl0
         l = l + config.beta * kl
 
-    valid = mask
-    loss = torch.where(valid, w * l, 0.0).sum()
-    g_r = torch.where(valid, w * dl_dr, 0.0)  # d loss / d r_t (per position)
-    dlogp = torch.where(valid, w * dl_dlogp, 0.0)
+    loss = torch.where(mask, w * l, 0.0).sum()
+    g_r = torch.where(mask, w * dl_dr, 0.0)  # d loss / d r_t (per position)
+    dlogp = torch.where(mask, w * dl_dlogp, 0.0)
     if config.sequence_level:
         # r_b = exp(sum_t m_t (logp_t - old_t) / len_b): d r_b / d logp_t = r_b * m_t / len_b
         dlogp = dlogp + (g_r * r).sum(-1, keepdim=True) * m / lengths
@@ -184,7 +183,7 @@ def grpo_loss_terms(
         loss = loss + bonus
 
     def masked_mean(x):
-        return torch.where(valid, x.to(dtype), 0.0).sum() / m.sum().clamp(min=1.0)
+        return torch.where(mask, x.to(dtype), 0.0).sum() / m.sum().clamp(min=1.0)
 
     def ratio_mean(flags):
         if config.sequence_level and advantages.shape[-1] == 1:  # one value per sequence, as TRL logs it

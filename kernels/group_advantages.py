@@ -15,7 +15,19 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.outputs import AdvantageOutput
+
 SCALE_NONE, SCALE_GROUP, SCALE_GIVEN = 0, 1, 2
+
+
+@triton.jit
+def _segment_block(x_ptr, order_ptr, i0, end, BLOCK: tl.constexpr):
+    """Rows ``order[i0 : i0 + BLOCK]`` of one group (clipped at ``end``), their values and which are scored."""
+    i = i0 + tl.arange(0, BLOCK)
+    inb = i < end
+    rows = tl.load(order_ptr + i, mask=inb, other=0)
+    x = tl.load(x_ptr + rows, mask=inb, other=0.0)
+    return rows, x, inb, inb & (x == x)
 
 
 @triton.jit
@@ -40,11 +52,7 @@ def _group_advantages_kernel(
     cnt = tl.zeros((BLOCK,), dtype)
     tot = tl.zeros((BLOCK,), dtype)
     for i0 in range(start, end, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        inb = i < end
-        rows = tl.load(order_ptr + i, mask=inb, other=0)
-        x = tl.load(x_ptr + rows, mask=inb, other=0.0)
-        valid = inb & (x == x)
+        rows, x, inb, valid = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
         cnt += valid.to(dtype)
         tot += tl.where(valid, x, 0.0)
     count = tl.sum(cnt, 0)
@@ -53,11 +61,7 @@ def _group_advantages_kernel(
     lo = tl.full((BLOCK,), float("inf"), dtype)
     hi = tl.full((BLOCK,), float("-inf"), dtype)
     for i0 in range(start, end, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        inb = i < end
-        rows = tl.load(order_ptr + i, mask=inb, other=0)
-        x = tl.load(x_ptr + rows, mask=inb, other=0.0)
-        valid = inb & (x == x)
+        rows, x, inb, valid = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
         d = tl.where(valid, x - mean, 0.0)
         m2 += d * d
         lo = tl.minimum(lo, tl.where(valid, x, float("inf")))
@@ -73,10 +77,7 @@ def _group_advantages_kernel(
     elif SCALE == 2:
         div = tl.load(divisor_ptr).to(dtype) + eps
     for i0 in range(start, end, BLOCK):
-        i = i0 + tl.arange(0, BLOCK)
-        inb = i < end
-        rows = tl.load(order_ptr + i, mask=inb, other=0)
-        x = tl.load(x_ptr + rows, mask=inb, other=0.0)
+        rows, x, inb, _ = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
         a = x - mean
         if SCALE != 0:
             a = a / div
@@ -107,8 +108,6 @@ def segment_normalize(x, order, offsets, scale, eps, divisor=None, zero_flat=Tru
 def group_advantages_triton(rewards, index, num_groups, scale, eps, weights, aggregation):
     """The launcher behind ``group_advantages(impl="triton")``; same contract as
     ``grpo_fast.advantages.group_advantages_torch`` (rewards ``[N, K]``, index ``[N]`` in ``[0, num_groups)``)."""
-    from grpo_fast.outputs import AdvantageOutput
-
     order = torch.argsort(index, stable=True)
     counts = torch.bincount(index, minlength=num_groups)
     offsets = torch.zeros(num_groups + 1, dtype=torch.int64, device=index.device)

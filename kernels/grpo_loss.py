@@ -13,8 +13,12 @@ Limits: any B, T (the grid is B programs on axis 0); runs in float32, or float64
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from grpo_fast.config import LossType
+from grpo_fast.loss_torch import LossTerms, entropy_bonus, high_entropy_mask, loss_scale
 
 # LOSS_TYPE constants (grpo_fast.config.LossType order is irrelevant: the launcher maps by name)
 CLIP, CISPO, SAPO, VESPO = 0, 1, 2, 3
@@ -253,8 +257,6 @@ def _grpo_loss_kernel(
 
 
 def _loss_type_code(loss_type) -> int:
-    from grpo_fast.config import LossType
-
     if loss_type.is_clip_family:
         return CLIP
     return {LossType.CISPO: CISPO, LossType.SAPO: SAPO, LossType.VESPO: VESPO}[loss_type]
@@ -268,11 +270,6 @@ def grpo_loss_terms_triton(
     logp, old_logps, ref_logps, entropy: ``[B, T]``; advantages ``[B, 1]`` or ``[B, T]``; mask ``[B, T]`` bool;
     sampling_ratio ``[B, T]`` or ``[B, 1]``. All detached. float32 (float64 for float64 logp).
     """
-    import torch
-
-    from grpo_fast.config import LossType
-    from grpo_fast.loss_torch import LossTerms, entropy_bonus, high_entropy_mask, loss_scale
-
     B, T = logp.shape
     dtype = logp.dtype
     logp = logp.contiguous()
