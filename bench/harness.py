@@ -218,7 +218,7 @@ def run_isolated(target: str, params: dict, *, timeout: float | None = None, mem
         return json.loads(result_path.read_text())
 
 
-def describe_failure(returncode: int, stderr: str) -> str:
+def _describe_failure(returncode: int, stderr: str) -> str:
     lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
     last = lines[-1] if lines else ""
     if returncode < 0:
