@@ -50,7 +50,8 @@ def _validate_loss_inputs(fn, B, T, device, advantages, completion_mask, old_log
 
 
 def _to_output(loss, logps, metrics, config: GRPOLossConfig, has_entropy: bool) -> LossOutput:
-    kl, entropy, low, high, region = metrics
+    # the custom op's outputs all carry autograd history; the metrics are documented as detached
+    kl, entropy, low, high, region = (m.detach() for m in metrics)
     lt = config.loss_type
     return LossOutput(
         loss=loss,

@@ -225,3 +225,14 @@ def test_metrics_none_where_undefined():
     assert out.entropy is not None and 0 <= float(out.entropy) <= torch.log(torch.tensor(53.0))
     out = grpo_loss(**batch, config=GRPOLossConfig(loss_type="cispo", beta=0.1))
     assert out.kl is not None and out.clip_ratio_high is not None and out.clip_ratio_low is None
+
+
+@pytest.mark.parametrize("impl", ["torch", "reference"])
+def test_metrics_and_logps_are_detached(impl):
+    """LossOutput's contract: only ``loss`` carries autograd history (a caller may float() the rest freely)."""
+    batch = as_leaves(make_batch(B=2, T=5, H=8, V=17, seed=8), torch.float32)
+    out = grpo_loss(**batch, config=GRPOLossConfig(loss_type="dapo", beta=0.1, entropy_coef=0.01), impl=impl)
+    assert out.loss.requires_grad
+    for name, value in out._asdict().items():
+        if name != "loss" and value is not None:
+            assert not value.requires_grad, name
