@@ -1,0 +1,229 @@
+"""Prompt datasets: loading local record files, rendering prompts for a tokenizer and a resumable batch sampler.
+
+A record is a dict of plain Python values with a prompt column (a string, or a list of chat messages
+``{"role": ..., "content": ...}``) and whatever other columns the reward functions need (``answer``, ``tests``...).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+Prompt = str | list[dict[str, str]]
+
+JSON_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+
+def _columns(row: dict) -> str:
+    return ", ".join(map(repr, row)) or "none"
+
+
+def _is_message(m: Any) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+
+
+def _check_row(row: Any, where: str, prompt_column: str, required: Sequence[str]) -> dict:
+    """Validate one record; ``where`` locates it in errors (``"data.jsonl, line 3"``)."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object (one record), got {type(row).__name__}")
+    for column in (prompt_column, *required):
+        if column not in row:
+            raise ValueError(f"{where}: missing column {column!r} (columns: {_columns(row)})")
+    prompt = row[prompt_column]
+    if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(map(_is_message, prompt)))):
+        raise ValueError(
+            f"{where}: column {prompt_column!r} must be a string or a non-empty list of chat messages "
+            f"{{'role': str, 'content': str}}, got {prompt!r:.200}"
+        )
+    return row
+
+
+def _read_json(path: Path, limit: int | None) -> Iterator[tuple[str, Any]]:
+    """(location, value) pairs from a JSON-lines file, or from a file holding one top-level JSON list."""
+    text = path.read_text(encoding="utf-8")
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
+        yield from ((f"{path}, item {i}", item) for i, item in enumerate(items[:limit]))
+        return
+    count = 0
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if limit is not None and count == limit:
+            return
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"{path}, line {lineno}: invalid JSON ({e.msg}); expected one JSON object per line "
+                "or a single top-level JSON list"
+            ) from e
+        count += 1
+        yield f"{path}, line {lineno}", value
+
+
+def _read_parquet(path: Path, limit: int | None, columns: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """(location, row dict) pairs from a parquet file; missing columns are reported once, from the schema."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs pyarrow: pip install pyarrow") from e
+    table = pq.read_table(path)
+    for column in columns:
+        if column not in table.column_names:
+            names = ", ".join(map(repr, table.column_names)) or "none"
+            raise ValueError(f"{path}: missing column {column!r} in every row (columns: {names})")
+    if limit is not None:
+        table = table.slice(0, limit)
+    yield from ((f"{path}, row {i}", row) for i, row in enumerate(table.to_pylist()))
+
+
+def load_records(
+    path: str | Path, *, prompt_column: str = "prompt", required: tuple[str, ...] = (), limit: int | None = None
+) -> list[dict]:
+    """Read the records of a local ``.jsonl`` / ``.json`` (JSON lines, or one top-level list) or ``.parquet`` file.
+
+    Every record must hold ``prompt_column`` (a string or a list of chat messages) and the ``required`` columns
+    (``None`` values are allowed there: a reward returns ``None`` for them). ``limit`` keeps the first records only.
+    Errors name the file, where the record is (``line N`` of a JSON-lines file, counted from 1; ``item i`` of a JSON
+    list and ``row i`` of a parquet file, counted from 0), the missing or bad column and the columns there are.
+    """
+    path = Path(path)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be a positive number of records or None, got {limit!r}")
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {str(path)!r} not found")
+    suffix = path.suffix.lower()
+    if suffix in JSON_SUFFIXES:
+        rows = _read_json(path, limit)
+    elif suffix in PARQUET_SUFFIXES:
+        rows = _read_parquet(path, limit, (prompt_column, *required))
+    else:
+        supported = ", ".join(JSON_SUFFIXES + PARQUET_SUFFIXES)
+        raise ValueError(f"{path}: unsupported file type {path.suffix!r} (supported: {supported})")
+    records = [_check_row(row, where, prompt_column, required) for where, row in rows]
+    if not records:
+        raise ValueError(f"{path}: the file holds no records")
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------- rendering
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None = None) -> str:
+    """The text to generate from for ``prompt``.
+
+    With a chat template (``tokenizer.chat_template``) the prompt goes through ``apply_chat_template`` with the
+    generation prompt added; a string prompt becomes one user message, preceded by a ``system_prompt`` message if
+    given (a message list that already starts with a system message keeps its own). Without a chat template a
+    string prompt is used as is (after ``system_prompt + "\\n"`` if given) and a message list is an error.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        if not isinstance(prompt, str):
+            raise ValueError(
+                f"prompt is a list of chat messages but the tokenizer ({type(tokenizer).__name__}) has no chat "
+                "template: set tokenizer.chat_template, use a chat model's tokenizer, or give plain string prompts"
+            )
+        return f"{system_prompt}\n{prompt}" if system_prompt else prompt
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+# ------------------------------------------------------------------------------------------------------ sampling
+
+
+class PromptSampler:
+    """An endless, deterministic stream of prompt batches that can be checkpointed and resumed.
+
+    Each epoch visits every record once, in an order drawn from ``(seed, epoch)`` (or in file order when
+    ``epoch_shuffle`` is off). Batches always hold ``batch_size`` records: one that runs past the end of an epoch is
+    completed from the start of the next. The position is ``(epoch, index)``, the next record to hand out;
+    :meth:`state_dict` saves it and :meth:`load_state_dict` restores it, after which the batches are those the
+    uninterrupted sampler would have produced.
+    """
+
+    def __init__(self, records: Sequence[dict], batch_size: int, *, seed: int, epoch_shuffle: bool = True):
+        if not records:
+            raise ValueError("PromptSampler needs at least one record")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        self.records = records
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epoch_shuffle = epoch_shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order_epoch: int | None = None
+        self._order: list[int] = []
+
+    def _epoch_order(self) -> list[int]:
+        """Record indices in the current epoch's order (computed once per epoch)."""
+        if self._order_epoch != self.epoch:
+            self._order = list(range(len(self.records)))
+            if self.epoch_shuffle:
+                # A string seed is hashed with SHA-512: deterministic across processes, and distinct for every
+                # (seed, epoch) pair (seed + epoch would give seed 0 / epoch 1 the order of seed 1 / epoch 0).
+                random.Random(f"grpo-fast:{self.seed}:{self.epoch}").shuffle(self._order)
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_batch(self) -> list[dict]:
+        """The next ``batch_size`` records."""
+        batch = []
+        while len(batch) < self.batch_size:
+            order = self._epoch_order()
+            take = min(self.batch_size - len(batch), len(order) - self.index)
+            batch.extend(self.records[i] for i in order[self.index : self.index + take])
+            self.index += take
+            if self.index == len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+        return batch
+
+    def __iter__(self) -> Iterator[list[dict]]:
+        return self
+
+    def __next__(self) -> list[dict]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position, plus what it is only meaningful with (seed, shuffling, number of records)."""
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "epoch_shuffle": self.epoch_shuffle,
+            "num_records": len(self.records),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict`; the seed, shuffling and number of records must be the same."""
+        expected = {"seed": self.seed, "epoch_shuffle": self.epoch_shuffle, "num_records": len(self.records)}
+        for key, current in expected.items():
+            if state[key] != current:
+                raise ValueError(
+                    f"cannot resume PromptSampler: the saved state has {key}={state[key]!r} but this sampler has "
+                    f"{key}={current!r} (resuming would not continue the saved run's sequence of batches)"
+                )
+        epoch, index = state["epoch"], state["index"]
+        if epoch < 0 or not 0 <= index < len(self.records):
+            raise ValueError(
+                f"cannot resume PromptSampler: invalid position epoch={epoch}, index={index} "
+                f"for {len(self.records)} records"
+            )
+        self.epoch, self.index = epoch, index
+
+
+def batches(records: Sequence[dict], batch_size: int, *, seed: int, epoch_shuffle: bool = True) -> PromptSampler:
+    """An endless, deterministic, resumable iterator over batches of ``records`` (a :class:`PromptSampler`)."""
+    return PromptSampler(records, batch_size, seed=seed, epoch_shuffle=epoch_shuffle)

@@ -1,0 +1,329 @@
+"""Reward functions in TRL's convention, the built-in rewards, a loader for user rewards and the reward matrix.
+
+A reward function is called as ``fn(prompts, completions, **columns) -> list[float | None]``: ``prompts`` and
+``completions`` are strings or chat-message lists (``[{"role": ..., "content": ...}, ...]``) and every other dataset
+column arrives as a keyword argument holding one value per completion (``answer=[...]``). A function takes
+``**kwargs`` so that columns it does not use are ignored. ``None`` means "this function does not score this sample";
+:func:`compute_rewards` turns it into NaN, which the group advantages skip.
+
+Built-ins (:data:`BUILTIN_REWARDS`): ``math`` (:func:`math_reward`), ``format`` (:func:`format_reward`) and
+``code`` (``grpo_fast.train.sandbox.code_reward``). :func:`load_reward` resolves those names as well as user
+functions given as ``module:function`` or ``path/to/file.py:function``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import math
+import numbers
+import re
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+RewardFn = Callable[..., list]
+
+# name -> "module:function"; resolved lazily by load_reward, so that e.g. the sandbox is imported only when used.
+BUILTIN_REWARDS: dict[str, str] = {
+    "code": "grpo_fast.train.sandbox:code_reward",
+    "format": "grpo_fast.train.rewards:format_reward",
+    "math": "grpo_fast.train.rewards:math_reward",
+}
+
+# The common reasoning format: a think block, then an answer block, and nothing else.
+THINK_ANSWER_PATTERN = r"<think>.*?</think>\s*<answer>.*?</answer>"
+
+# Seconds math_verify may spend parsing one string or comparing one gold/prediction pair (see _signal_timeout).
+MATH_TIMEOUT_S = 5
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
+
+
+def completion_text(completion: str | Sequence[dict]) -> str:
+    """The text of a completion: the string itself, or the content of the last message of a chat-message list."""
+    if isinstance(completion, str):
+        return completion
+    if not completion:
+        return ""
+    return completion[-1]["content"] or ""
+
+
+def reward_name(fn: RewardFn) -> str:
+    """A readable name for a reward function (its ``__name__``, else its type's name for callable objects)."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+# --------------------------------------------------------------------------------------------------- math reward
+
+
+def _import_math_verify() -> ModuleType:
+    try:
+        import math_verify
+    except ImportError as e:
+        raise ImportError(
+            "the 'math' reward needs the math-verify package: pip install math-verify "
+            "(or pip install grpo-fast[train])"
+        ) from e
+    return math_verify
+
+
+def _signal_timeout(seconds: int) -> int | None:
+    """The timeout to hand math_verify from the calling thread.
+
+    math_verify bounds ``parse`` and ``verify`` with ``signal.alarm``, which only works in the main thread: from any
+    other thread a timeout makes both raise ``ValueError`` whatever ``raise_on_error`` says. There we pass ``None``,
+    which runs them unbounded (math_verify then logs a one-off warning saying so).
+    """
+    return seconds if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(mv: ModuleType, text: str, timeout: int | None) -> list:
+    """math_verify's parse, looking for LaTeX and for plain expressions; [] when nothing parses (or on timeout)."""
+    return mv.parse(text, extraction_config=[mv.LatexExtractionConfig(), mv.ExprExtractionConfig()],
+                    parsing_timeout=timeout)
+
+
+def _parse_answer(mv: ModuleType, text: str, timeout: int | None) -> list:
+    """Parse text that *is* an answer (a gold answer, an ``<answer>`` block), not prose around one.
+
+    Bare LaTeX such as ``\\sqrt{2}`` or ``3\\pi`` is only recognised between math delimiters, so text without any is
+    first parsed as ``$text$``, then as is if that finds nothing.
+    """
+    text = text.strip()
+    if not any(d in text for d in _MATH_DELIMITERS):
+        parsed = _parse(mv, f"${text}$", timeout)
+        if parsed:
+            return parsed
+    return _parse(mv, text, timeout)
+
+
+def _parse_prediction(mv: ModuleType, completion: str, timeout: int | None) -> list:
+    """The final answer of a completion: the last ``<answer>`` block if any, else the last answer-like match
+    (``\\boxed{...}``, "the answer is ...", a trailing number) that math_verify finds in the whole text."""
+    blocks = _ANSWER_TAG.findall(completion)
+    if blocks:
+        return _parse_answer(mv, blocks[-1], timeout)
+    return _parse(mv, completion, timeout)
+
+
+def math_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float | None]:
+    """1.0 when a completion's final answer is mathematically equal to the gold ``answer``, else 0.0.
+
+    Gold answers may be numbers (``42``, ``"0.5"``) or LaTeX (``"\\frac{1}{2}"``, with or without ``$...$``);
+    completions may end in ``\\boxed{...}``, "The answer is 7", a bare ``7`` or an ``<answer>...</answer>`` block.
+    Equality is math_verify's (``0.5`` equals ``\\frac{1}{2}``). ``None`` for a sample whose answer is ``None`` or
+    cannot be parsed.
+
+    Safe to call from any thread, but only the main thread gets a time limit (:data:`MATH_TIMEOUT_S` per parse and
+    per comparison, see :func:`_signal_timeout`): elsewhere a pathological completion (a tower of powers, say) can
+    keep sympy busy indefinitely.
+    """
+    mv = _import_math_verify()
+    timeout = _signal_timeout(MATH_TIMEOUT_S)
+    golds: dict[str, list] = {}  # each prompt's answer is shared by its whole group: parse it once
+    scores: list[float | None] = []
+    for completion, gold_answer in zip(completions, answer, strict=True):
+        if gold_answer is None:
+            scores.append(None)
+            continue
+        key = str(gold_answer)
+        if key not in golds:
+            golds[key] = _parse_answer(mv, key, timeout)
+        gold = golds[key]
+        if not gold:
+            scores.append(None)
+            continue
+        prediction = _parse_prediction(mv, completion_text(completion), timeout)
+        scores.append(1.0 if prediction and mv.verify(gold, prediction, timeout_seconds=timeout) else 0.0)
+    return scores
+
+
+# ------------------------------------------------------------------------------------------------- format reward
+
+
+def _compile(pattern: str) -> re.Pattern:
+    try:
+        return re.compile(pattern, re.DOTALL)
+    except re.error as e:
+        raise ValueError(f"invalid format-reward pattern {pattern!r}: {e}") from e
+
+
+def _fullmatch_scores(regexes: Sequence[re.Pattern], completions: list) -> list[float]:
+    return [1.0 if r.fullmatch(completion_text(c).strip()) else 0.0 for r, c in zip(regexes, completions, strict=True)]
+
+
+_THINK_ANSWER = _compile(THINK_ANSWER_PATTERN)
+
+
+def format_reward(
+    prompts: list, completions: list, pattern: str | list[str | None] | None = None, **kwargs: Any
+) -> list[float]:
+    """1.0 when the whole (stripped) completion matches ``pattern`` (``re.DOTALL``), else 0.0.
+
+    ``pattern`` defaults to :data:`THINK_ANSWER_PATTERN` (``<think>...</think>`` then ``<answer>...</answer>``); a
+    dataset column named ``pattern`` gives each sample its own (``None`` entries use the default).
+    """
+    if isinstance(pattern, list):
+        regexes = [_THINK_ANSWER if p is None else _compile(p) for p in pattern]
+    else:
+        regexes = [_THINK_ANSWER if pattern is None else _compile(pattern)] * len(completions)
+    return _fullmatch_scores(regexes, completions)
+
+
+def make_format_reward(pattern: str, name: str | None = None) -> RewardFn:
+    """A reward giving 1.0 when ``re.fullmatch(pattern, completion.strip(), re.DOTALL)`` matches, else 0.0.
+
+    The function is named ``name``, or ``format_reward[<pattern>]``, which is what logs and errors show.
+    """
+    regex = _compile(pattern)
+
+    def reward(prompts: list, completions: list, **kwargs: Any) -> list[float]:
+        return _fullmatch_scores([regex] * len(completions), completions)
+
+    reward.__name__ = reward.__qualname__ = name or f"format_reward[{pattern}]"
+    reward.__doc__ = f"1.0 when the whole completion matches {pattern!r} (re.DOTALL), else 0.0."
+    return reward
+
+
+# ------------------------------------------------------------------------------------------------- load_reward
+
+
+def _spec_error(spec: str, problem: str) -> str:
+    builtins = ", ".join(sorted(BUILTIN_REWARDS))
+    return (
+        f"cannot load reward {spec!r}: {problem}. Expected a built-in reward ({builtins}), "
+        "'module:function' (module importable from sys.path) or 'path/to/file.py:function'."
+    )
+
+
+def _is_file_spec(module: str) -> bool:
+    return module.endswith(".py") or "/" in module or "\\" in module
+
+
+def _import_file(spec: str, location: str) -> ModuleType:
+    """Import a Python file as a module named after its resolved path (so that loading it twice reuses it)."""
+    path = Path(location).expanduser().resolve()
+    if not path.is_file():
+        raise ImportError(_spec_error(spec, f"file {str(path)!r} not found"))
+    name = f"{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # registered first, as a regular import does (dataclasses, pickling look it up)
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise ImportError(_spec_error(spec, f"executing {str(path)!r} raised {type(e).__name__}: {e}")) from e
+    return module
+
+
+def _import_module(spec: str, name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and (name == e.name or name.startswith(e.name + ".")):
+            problem = f"module {name!r} not found (is its directory on sys.path or PYTHONPATH?)"
+        else:  # the module exists but one of its own imports is missing
+            problem = f"importing module {name!r} failed: {e}"
+        raise ImportError(_spec_error(spec, problem)) from e
+    except Exception as e:
+        raise ImportError(_spec_error(spec, f"importing module {name!r} raised {type(e).__name__}: {e}")) from e
+
+
+def load_reward(spec: str) -> RewardFn:
+    """Resolve a reward function from a built-in name (``"math"``, ``"format"``, ``"code"``), ``"module:function"``
+    (e.g. ``"my_rewards:length_penalty"``) or ``"path/to/file.py:function"``.
+
+    Raises ``ValueError`` for a spec of neither form, ``ImportError`` when the module or file cannot be imported,
+    ``AttributeError`` when it has no such attribute and ``TypeError`` when the attribute is not callable; each
+    message names the spec, the accepted forms and what went wrong.
+    """
+    target = BUILTIN_REWARDS.get(spec.strip(), spec.strip())
+    location, sep, attribute = target.rpartition(":")
+    if not sep or not location or not attribute:
+        raise ValueError(_spec_error(spec, "not a built-in name and not of the form 'module:function'"))
+    if _is_file_spec(location):
+        module = _import_file(spec, location)
+    else:
+        module = _import_module(spec, location)
+    if not hasattr(module, attribute):
+        defined = sorted(
+            n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__
+        )
+        problem = f"{location!r} has no attribute {attribute!r} (functions it defines: {', '.join(defined) or 'none'})"
+        raise AttributeError(_spec_error(spec, problem))
+    fn = getattr(module, attribute)
+    if not callable(fn):
+        raise TypeError(_spec_error(spec, f"{location}:{attribute} is a {type(fn).__name__}, not a function"))
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------- compute_rewards
+
+
+def _as_scores(fn: RewardFn, values: Any, n: int) -> list[float]:
+    """Check one reward function's output (a list of N numbers or None) and convert it to floats, None -> NaN."""
+    name = reward_name(fn)
+    if hasattr(values, "tolist"):  # numpy arrays and tensors
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(
+            f"reward function {name!r} must return a list of {n} floats (or None), got {type(values).__name__}"
+        )
+    if len(values) != n:
+        raise ValueError(f"reward function {name!r} returned {len(values)} scores for {n} completions")
+    scores = []
+    for i, v in enumerate(values):
+        if v is None:
+            scores.append(math.nan)
+            continue
+        if not isinstance(v, numbers.Real):  # bools are Integral, hence Real
+            raise TypeError(
+                f"reward function {name!r} returned {v!r} ({type(v).__name__}) at index {i}: "
+                "scores must be numbers, or None to leave a sample unscored"
+            )
+        if not math.isfinite(v):
+            raise ValueError(
+                f"reward function {name!r} returned the non-finite score {v!r} at index {i}: "
+                "return None to leave a sample unscored"
+            )
+        if abs(v) > _FLOAT32_MAX:
+            raise ValueError(f"reward function {name!r} returned {v!r} at index {i}, beyond the float32 range")
+        scores.append(float(v))
+    return scores
+
+
+def compute_rewards(
+    funcs: Sequence[RewardFn], prompts: list, completions: list, columns: dict[str, list]
+) -> torch.Tensor:
+    """Score every completion with every reward function: a float32 ``[N, K]`` tensor, NaN where a function
+    returned ``None``.
+
+    Each function is called as ``fn(prompts=prompts, completions=completions, **columns)``; ``columns`` holds the
+    other dataset columns, one value per completion.
+    """
+    n = len(completions)
+    if len(prompts) != n:
+        raise ValueError(f"got {len(prompts)} prompts for {n} completions (repeat each prompt once per completion)")
+    for column, values in columns.items():
+        if column in ("prompts", "completions"):
+            raise ValueError(f"dataset column {column!r} clashes with the reward-function argument of that name")
+        if len(values) != n:
+            raise ValueError(f"column {column!r} has {len(values)} values for {n} completions")
+    rewards = torch.empty(n, len(funcs), dtype=torch.float32)
+    for k, fn in enumerate(funcs):
+        values = fn(prompts=prompts, completions=completions, **columns)
+        rewards[:, k] = torch.tensor(_as_scores(fn, values, n), dtype=torch.float32)
+    return rewards

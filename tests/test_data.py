@@ -1,0 +1,211 @@
+"""Prompt data: loading record files, rendering prompts with and without a chat template, the resumable sampler."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from grpo_fast.train.data import PromptSampler, batches, load_records, render_prompt
+
+RECORDS = [
+    {"prompt": "What is 6 times 7?", "answer": "42", "meta": {"source": "gsm", "level": 1}},
+    {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1/2 as a decimal?"}],
+     "answer": "0.5", "meta": {"source": "math", "level": 2}},
+    {"prompt": "Name a prime.", "answer": None, "meta": {"source": "misc", "level": 3}},
+]
+
+
+def _write_jsonl(path, rows, blank_lines=False):
+    sep = "\n\n" if blank_lines else "\n"
+    path.write_text(sep.join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def _write_parquet(path, rows):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------- load_records
+
+
+def test_load_jsonl(tmp_path):
+    path = _write_jsonl(tmp_path / "data.jsonl", RECORDS, blank_lines=True)
+    assert load_records(path, required=("answer",)) == RECORDS
+    assert load_records(str(path), limit=2) == RECORDS[:2]
+
+
+def test_load_json_list(tmp_path):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(RECORDS, indent=2))
+    assert load_records(path, required=("answer",)) == RECORDS
+    assert load_records(path, limit=1) == RECORDS[:1]
+
+
+def test_load_parquet(tmp_path):
+    rows = [RECORDS[0], RECORDS[2]]  # string prompts: a parquet column holds one type
+    path = _write_parquet(tmp_path / "data.parquet", rows)
+    loaded = load_records(path, required=("answer", "meta"))
+    assert loaded == rows and all(type(r) is dict and type(r["meta"]) is dict for r in loaded)
+    assert load_records(path, limit=1) == rows[:1]
+
+
+def test_load_parquet_chat_messages(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}]
+    path = _write_parquet(tmp_path / "chat.parquet", rows)
+    assert load_records(path) == rows
+
+
+def test_load_parquet_missing_column(tmp_path):
+    path = _write_parquet(tmp_path / "data.parquet", [{"question": "q", "answer": "1"}])
+    with pytest.raises(ValueError, match=r"data\.parquet: missing column 'prompt' in every row "
+                                         r"\(columns: 'question', 'answer'\)"):
+        load_records(path)
+
+
+def test_load_parquet_null_prompt(tmp_path):
+    path = _write_parquet(tmp_path / "data.parquet", [{"prompt": "q"}, {"prompt": None}])
+    with pytest.raises(ValueError, match=r"data\.parquet, row 1: column 'prompt' must be a string"):
+        load_records(path)
+
+
+def test_load_missing_required_column_names_the_line(tmp_path):
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "solution": "2"}]
+    path = _write_jsonl(tmp_path / "data.jsonl", rows, blank_lines=True)
+    with pytest.raises(ValueError, match=r"data\.jsonl, line 3: missing column 'answer' \(columns: 'prompt', "
+                                         r"'solution'\)"):
+        load_records(path, required=("answer",))
+
+
+def test_load_custom_prompt_column(tmp_path):
+    path = _write_jsonl(tmp_path / "data.jsonl", [{"question": "q", "answer": "1"}])
+    assert load_records(path, prompt_column="question") == [{"question": "q", "answer": "1"}]
+    with pytest.raises(ValueError, match=r"line 1: missing column 'prompt' \(columns: 'question', 'answer'\)"):
+        load_records(path)
+
+
+@pytest.mark.parametrize(
+    "prompt", [7, [], [{"role": "user"}], [{"role": "user", "content": "x"}, "loose string"]],
+)
+def test_load_bad_prompt(tmp_path, prompt):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"prompt": "ok"}, {"prompt": prompt}]))
+    with pytest.raises(ValueError, match=r"data\.json, item 1: column 'prompt' must be a string or a non-empty "
+                                         r"list of chat messages"):
+        load_records(path)
+
+
+def test_load_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        load_records(tmp_path / "nope.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(ValueError, match=r"empty\.jsonl: the file holds no records"):
+        load_records(tmp_path / "empty.jsonl")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl, line 2: invalid JSON"):
+        load_records(tmp_path / "bad.jsonl")
+    (tmp_path / "list.jsonl").write_text('["a", "b"]\n')
+    with pytest.raises(ValueError, match=r"list\.jsonl, item 0: expected a JSON object \(one record\), got str"):
+        load_records(tmp_path / "list.jsonl")
+    (tmp_path / "data.csv").write_text("prompt\na\n")
+    with pytest.raises(ValueError, match=r"unsupported file type '\.csv' \(supported: \.jsonl, \.json, \.parquet\)"):
+        load_records(tmp_path / "data.csv")
+    with pytest.raises(ValueError, match="limit must be a positive number"):
+        load_records(tmp_path / "list.jsonl", limit=0)
+
+
+# ---------------------------------------------------------------------------------------------------- render_prompt
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture
+def tokenizer():
+    """A tiny word-level fast tokenizer, without a chat template."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    model = tokenizers.models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]")
+    backend = tokenizers.Tokenizer(model)
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+def test_render_with_chat_template(tokenizer):
+    tokenizer.chat_template = CHAT_TEMPLATE
+    assert render_prompt(tokenizer, "hi") == "<|user|>hi\n<|assistant|>"
+    assert render_prompt(tokenizer, "hi", system_prompt="Think.") == "<|system|>Think.\n<|user|>hi\n<|assistant|>"
+    messages = RECORDS[1]["prompt"]
+    expected = "<|system|>Be brief.\n<|user|>1/2 as a decimal?\n<|assistant|>"
+    assert render_prompt(tokenizer, messages) == expected
+    assert render_prompt(tokenizer, messages, system_prompt="Ignored: the messages have one.") == expected
+    assert render_prompt(tokenizer, messages[1:], system_prompt="Think.") == (
+        "<|system|>Think.\n<|user|>1/2 as a decimal?\n<|assistant|>"
+    )
+    assert messages[0]["content"] == "Be brief."  # the caller's list is left alone
+
+
+def test_render_without_chat_template(tokenizer):
+    assert render_prompt(tokenizer, "What is 2+2?") == "What is 2+2?"
+    assert render_prompt(tokenizer, "What is 2+2?", system_prompt="Think.") == "Think.\nWhat is 2+2?"
+    with pytest.raises(ValueError, match="list of chat messages but the tokenizer .* has no chat template"):
+        render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+# ---------------------------------------------------------------------------------------------------- PromptSampler
+
+
+def _ids(batch):
+    return [r["id"] for r in batch]
+
+
+RECS = [{"id": i} for i in range(10)]
+
+
+def test_sampler_epochs_are_permutations_and_batches_cross_epochs():
+    sampler = batches(RECS, 4, seed=0)
+    drawn = [i for _ in range(5) for i in _ids(sampler.next_batch())]  # 20 records = exactly two epochs
+    assert sorted(drawn[:10]) == list(range(10)) and sorted(drawn[10:]) == list(range(10))
+    assert drawn[:10] != drawn[10:]  # reshuffled each epoch
+    assert sampler.state_dict()["epoch"] == 2 and sampler.state_dict()["index"] == 0
+
+
+def test_sampler_is_deterministic_and_seeded():
+    def run(seed, shuffle=True):
+        sampler = PromptSampler(RECS, 3, seed=seed, epoch_shuffle=shuffle)
+        return [_ids(next(sampler)) for _ in range(8)]
+
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+    assert [i for b in run(5, shuffle=False) for i in b][:12] == list(range(10)) + [0, 1]
+
+
+def test_sampler_resume_continues_the_same_sequence():
+    uninterrupted = PromptSampler(RECS, 3, seed=7)
+    expected = [_ids(uninterrupted.next_batch()) for _ in range(9)]
+
+    first = PromptSampler(RECS, 3, seed=7)
+    seen = [_ids(first.next_batch()) for _ in range(4)]  # stops mid-epoch 1
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint would store it
+    assert (state["epoch"], state["index"]) == (1, 2)
+
+    resumed = PromptSampler(RECS, 3, seed=7)
+    resumed.load_state_dict(state)
+    assert seen + [_ids(resumed.next_batch()) for _ in range(5)] == expected
+
+
+def test_sampler_rejects_mismatched_state():
+    state = PromptSampler(RECS, 3, seed=7).state_dict()
+    with pytest.raises(ValueError, match="saved state has seed=7 but this sampler has seed=8"):
+        PromptSampler(RECS, 3, seed=8).load_state_dict(state)
+    with pytest.raises(ValueError, match="num_records=10 but this sampler has num_records=9"):
+        PromptSampler(RECS[:9], 3, seed=7).load_state_dict(state)
+    with pytest.raises(ValueError, match="invalid position epoch=0, index=10"):
+        PromptSampler(RECS, 3, seed=7).load_state_dict({**state, "index": 10})
+    with pytest.raises(ValueError, match="batch_size must be positive"):
+        PromptSampler(RECS, 0, seed=7)
