@@ -1,0 +1,286 @@
+"""``TrainConfig``: every option of ``grpo-fast train`` in one dataclass, loadable from TOML/YAML, overridable on
+the command line (``--field value``, ``--loss.beta 0.04``). The help text of each field is its ``--help`` line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpo_fast.config import GRPOLossConfig
+
+# the loss fields the trainer sets itself (from the sampling temperature, the model and max_new_tokens)
+TRAINER_OWNED_LOSS_FIELDS = ("temperature", "softcap", "max_completion_length")
+
+
+LOSS_HELP = {
+    "loss_type": "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo (TRL 1.16 semantics)",
+    "beta": "KL coefficient against the reference model (0: no reference model is kept)",
+    "epsilon": "lower clip of the importance ratio (1 - epsilon)",
+    "epsilon_high": "upper clip (1 + epsilon_high; None: epsilon); cispo's truncation bound",
+    "delta": "two-sided clipping: cap the unclipped ratio at delta (None: off)",
+    "importance_sampling_level": "token, or sequence (GSPO)",
+    "use_bias_correction_kl": "multiply the KL term by the importance ratio",
+    "sapo_temperature_pos": "SAPO gate temperature for positive advantages",
+    "sapo_temperature_neg": "SAPO gate temperature for negative advantages",
+    "vespo_k_pos": "VESPO k for positive advantages",
+    "vespo_lambda_pos": "VESPO lambda for positive advantages",
+    "vespo_k_neg": "VESPO k for negative advantages",
+    "vespo_lambda_neg": "VESPO lambda for negative advantages",
+    "top_entropy_quantile": "train only on the top q fraction of tokens by entropy (1.0: all)",
+    "entropy_coef": "entropy bonus coefficient (0: none)",
+}
+
+
+DEFAULT_LOSS = GRPOLossConfig(beta=0.04)
+
+
+def _f(default, help: str, **kw):
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # model
+    model: str = _f("tiny", "'tiny' (the built-in 80k-parameter Qwen2 built from a config, trained from scratch) "
+                    "or a local directory holding a transformers causal LM and its tokenizer (a config.json without weights: "
+                    "that architecture with random weights)")
+    tokenizer: str | None = _f(None, "tokenizer directory when it is not the model's")
+    dtype: str = _f("auto", "parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    device: str = _f("auto", "auto (cuda when available), cpu, cuda, cuda:N")
+    impl: str = _f("auto", "kernel path of the fused ops: auto (triton on CUDA), torch, triton, reference")
+    lora_r: int = _f(0, "LoRA rank (0: train every parameter); the reference model is then the base with the "
+                     "adapters disabled (needs peft)")
+    lora_alpha: int = _f(16, "LoRA alpha")
+    lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
+    gradient_checkpointing: bool = _f(False, "recompute decoder activations in the backward to save memory")
+    # data
+    dataset: str = _f("builtin:digits", "builtin:NAME (digits, add) or a local .jsonl/.json/.parquet file with a "
+                      "prompt column plus the columns the rewards need (answer, tests)")
+    eval_dataset: str | None = _f(None, "held-out prompts for the before/after evaluation (a builtin task uses its "
+                                  "own held-out split; a file dataset without one is not evaluated)")
+    prompt_column: str = _f("prompt", "column that holds the prompt (a string or a list of chat messages)")
+    system_prompt: str | None = _f(None, "system message put before each prompt when the tokenizer has a chat "
+                                   "template")
+    max_prompt_length: int = _f(512, "prompts longer than this many tokens are refused with an error")
+    eval_size: int = _f(256, "prompts in the before/after evaluation (greedy decoding, one completion each)")
+    # rewards
+    rewards: list[str] = _f([], "reward functions: math, format, code, or module:function / path.py:function "
+                            "(empty: the builtin task's own)")
+    reward_weights: list[float] = _f([], "one weight per reward function (empty: all 1)")
+    # GRPO
+    steps: int = _f(800, "training steps; each samples one generation and makes mu optimizer updates on it")
+    prompts_per_step: int = _f(16, "distinct prompts per generation")
+    group_size: int = _f(16, "completions sampled per prompt (G)")
+    mu: int = _f(1, "policy updates per generation (TRL's num_iterations); old log-probs are computed when > 1")
+    micro_batch_size: int = _f(64, "completions per forward/backward; the generation's rows are accumulated")
+    max_new_tokens: int = _f(4, "longest completion; sampling stops earlier at EOS")
+    temperature: float = _f(1.0, "sampling temperature (the loss uses the same)")
+    top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
+    top_k: int = _f(0, "top-k sampling (0: off)")
+    scale_rewards: str = _f("group", "advantage scaling: group (TRL default), batch, none")
+    loss: GRPOLossConfig = _f(DEFAULT_LOSS, "the GRPO loss (DESIGN.md §4); set its fields with "
+                              "--loss.NAME. beta defaults to 0.04 (the GRPO paper's KL weight) rather than TRL's 0.0")
+    # optimisation
+    lr: float | None = _f(None, "AdamW learning rate (None: 5e-4 for the tiny model, 1e-6 otherwise)")
+    weight_decay: float = _f(0.0, "AdamW weight decay")
+    adam_betas: list[float] = _f([0.9, 0.99], "AdamW betas")
+    max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up, in optimizer updates")
+    lr_schedule: str = _f("constant", "after warm-up: constant, linear (to 0), cosine (to 0)")
+    # logging and checkpoints
+    output_dir: str = _f("runs/grpo-fast", "metrics.jsonl, the plot, config.json and checkpoints go here")
+    log_every: int = _f(1, "write a metrics line every N steps")
+    progress: bool = _f(True, "show a progress bar")
+    plot: bool = _f(True, "write reward_kl.png at the end (needs matplotlib)")
+    save_every: int = _f(100, "checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = _f(2, "how many checkpoints to keep")
+    resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir")
+    seed: int = _f(0, "seeds the model init, the prompt order and the sampling")
+
+    def __post_init__(self):
+        if isinstance(self.loss, dict):
+            self.loss = dataclasses.replace(DEFAULT_LOSS, **self.loss)
+        for name in TRAINER_OWNED_LOSS_FIELDS:
+            if getattr(self.loss, name) != getattr(GRPOLossConfig, name):
+                raise ValueError(
+                    f"TrainConfig.loss.{name} is set by the trainer (temperature from --temperature, softcap from "
+                    f"the model, max_completion_length from --max-new-tokens); got loss.{name}="
+                    f"{getattr(self.loss, name)!r}"
+                )
+        self.validate()
+
+    def validate(self):
+        choices = {
+            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "impl": ("auto", "torch", "triton", "reference"),
+            "scale_rewards": ("group", "batch", "none"),
+            "lr_schedule": ("constant", "linear", "cosine"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"TrainConfig.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        positive = ("steps", "prompts_per_step", "group_size", "mu", "micro_batch_size", "max_new_tokens",
+                    "max_prompt_length", "eval_size", "log_every")
+        for name in positive:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {value!r}")
+        for name in ("lora_r", "warmup_steps", "save_every", "keep_checkpoints", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {value!r}")
+        if self.group_size < 2:
+            raise ValueError(f"TrainConfig.group_size must be >= 2 (advantages compare a group's completions), "
+                             f"got {self.group_size}")
+        for name, low, high in (("temperature", 0.0, math.inf), ("top_p", 0.0, 1.0), ("weight_decay", 0.0, math.inf),
+                                ("max_grad_norm", 0.0, math.inf)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not (low <= value <= high):
+                raise ValueError(f"TrainConfig.{name} must be in [{low}, {high}], got {value!r}")
+        if self.top_p == 0.0:
+            raise ValueError("TrainConfig.top_p must be > 0 (1.0 switches nucleus sampling off), got 0.0")
+        if self.temperature == 0.0:
+            raise ValueError("TrainConfig.temperature must be > 0 for training (GRPO needs diverse samples), got 0.0")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"TrainConfig.lr must be > 0 or None, got {self.lr!r}")
+        if self.reward_weights and self.rewards and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"TrainConfig.reward_weights must have one weight per reward ({len(self.rewards)}: "
+                             f"{self.rewards}), got {len(self.reward_weights)}: {self.reward_weights}")
+        if len(self.adam_betas) != 2:
+            raise ValueError(f"TrainConfig.adam_betas must be two numbers, got {self.adam_betas!r}")
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["loss"] = json.loads(self.loss.to_json())
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- files and flags
+
+
+def _annotation(cls, name):
+    return typing.get_type_hints(cls)[name]
+
+
+def _parse_value(cls, name: str, raw):
+    """Converts a command-line string (or a TOML/YAML value) to the field's type; errors name the field."""
+    hint = _annotation(cls, name)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    optional = type(None) in args
+    if optional:
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType) and str in args:  # ``LossType | str``: validated by the target
+        return raw
+    try:
+        if isinstance(raw, str):
+            if optional and raw.lower() in ("none", "null"):
+                return None
+            if origin is list:
+                return [args[0](x.strip()) for x in raw.split(",") if x.strip()]
+            if hint is bool:
+                if raw.lower() in ("1", "true", "yes", "on"):
+                    return True
+                if raw.lower() in ("0", "false", "no", "off"):
+                    return False
+                raise ValueError("expected true or false")
+            return hint(raw)
+        if origin is list and not isinstance(raw, list):
+            raise ValueError("expected a list")
+        if hint is float and isinstance(raw, int) and not isinstance(raw, bool):
+            return float(raw)
+        return raw
+    except (TypeError, ValueError) as e:
+        type_name = getattr(hint, "__name__", str(hint))
+        raise ValueError(f"{cls.__name__}.{name}: expected {type_name}{' or None' if optional else ''}, "
+                         f"got {raw!r} ({e})") from None
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) file -> a dict of fields (``[loss]`` a nested table)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"--config: no such file {str(path)!r}")
+    if path.suffix == ".toml":
+        import tomllib
+
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    elif path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ImportError("--config: reading YAML needs PyYAML (pip install pyyaml), or use a .toml file") from None
+        data = yaml.safe_load(path.read_text()) or {}
+    else:
+        raise ValueError(f"--config: expected a .toml, .yaml or .yml file, got {str(path)!r}")
+    if not isinstance(data, dict):
+        raise ValueError(f"--config: {path} must hold a table of fields, got {type(data).__name__}")
+    return data
+
+
+def build_config(file_values: dict | None = None, overrides: dict[str, str] | None = None) -> TrainConfig:
+    """Defaults < file values < command-line overrides. ``overrides`` keys are field names (``loss.beta`` for the
+    loss). Unknown names raise an error that lists the nearest known ones."""
+    values: dict = {}
+    loss: dict = {}
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    loss_known = {f.name for f in dataclasses.fields(GRPOLossConfig)}
+
+    def put(name, raw, source):
+        if name.startswith("loss."):
+            key = name[len("loss."):]
+            if key not in loss_known:
+                raise ValueError(_unknown(f"{source}: unknown loss option {key!r}", key, loss_known))
+            loss[key] = _parse_value(GRPOLossConfig, key, raw)
+        elif name == "loss" and isinstance(raw, dict):
+            for k, v in raw.items():
+                put(f"loss.{k}", v, source)
+        elif name in known and name != "loss":
+            values[name] = _parse_value(TrainConfig, name, raw)
+        else:
+            raise ValueError(_unknown(f"{source}: unknown option {name!r}", name, known | {"loss.*"}))
+
+    for name, raw in (file_values or {}).items():
+        put(name.replace("-", "_"), raw, "config file")
+    for name, raw in (overrides or {}).items():
+        put(name.replace("-", "_"), raw, "command line")
+    if loss:
+        values["loss"] = dataclasses.replace(DEFAULT_LOSS, **loss)
+    return TrainConfig(**values)
+
+
+def _unknown(message: str, name: str, known) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(name, sorted(known), n=3)
+    return message + (f"; did you mean {', '.join(near)}?" if near else f"; known: {', '.join(sorted(known))}")
+
+
+def field_help() -> list[tuple[str, str, str]]:
+    """(flag, default, help) for every option, the loss's fields included (for ``--help``)."""
+    rows = []
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name == "loss":
+            for lf in dataclasses.fields(GRPOLossConfig):
+                if lf.name in TRAINER_OWNED_LOSS_FIELDS:
+                    continue
+                value = getattr(default, lf.name)
+                rows.append((f"--loss.{lf.name}", _show(value), LOSS_HELP[lf.name]))
+            continue
+        rows.append((f"--{f.name.replace('_', '-')}", _show(default), f.metadata["help"]))
+    return rows
+
+
+def _show(value) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value)) if value else "(empty)"
+    return getattr(value, "value", value).__str__()

@@ -1,0 +1,157 @@
+"""Rollout: sample G completions per prompt with the policy's KV cache, recording the sampling log-probs.
+
+Each unique prompt is prefilled once; its KV cache is then repeated for the group's G rows
+(``DynamicCache.batch_repeat_interleave``), so the prompt costs one forward per group instead of G.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How completions are sampled. ``top_k=0`` and ``top_p=1.0`` switch those filters off; ``temperature=0`` is
+    greedy decoding (the recorded log-probs are then those of ``softmax(z)``)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class Rollout:
+    """The group's samples. Rows are grouped: row ``i`` belongs to prompt ``i // G``.
+
+    prompt_ids/prompt_mask: ``[B*G, P]`` left-padded; completion_ids/completion_mask: ``[B*G, T]`` right-padded, the
+    EOS token included in the mask; sampling_logps: ``[B*G, T]`` float32, ``log softmax(z / temperature)`` of each
+    sampled token (before top-k/top-p filtering, the distribution the loss's ``temperature`` reproduces).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    sampling_logps: torch.Tensor
+    group_size: int
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that start at 0 on the first real token of each (left-padded) row; padding gets 0."""
+    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the top-k and outside the smallest set whose probability reaches top_p."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the top token always stays)
+        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def _next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """logits ``[R, V]`` float32 -> (token ``[R]``, its log-prob under ``softmax(logits / temperature)``)."""
+    scaled = logits / params.temperature if params.temperature > 0 else logits
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    if params.temperature == 0:
+        token = logits.argmax(dim=-1)
+    else:
+        probs = filter_logits(scaled, params.top_k, params.top_p).softmax(dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return token, logp_all.gather(1, token[:, None])[:, 0]
+
+
+def _cache_keyword(model) -> str:
+    """transformers >= 5.2x calls the KV-cache argument ``cache``; earlier releases ``past_key_values``."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT forwards **kwargs
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    group_size: int,
+    params: SamplingParams,
+    *,
+    eos_token_id: int | list[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample ``group_size`` completions for each of the ``B`` left-padded prompts ``[B, P]``.
+
+    A row stops at its first EOS (kept, and masked in) or after ``max_new_tokens``; later positions hold
+    ``pad_token_id`` and mask 0. The loop ends as soon as every row has stopped.
+    """
+    from transformers import DynamicCache
+
+    device = prompt_ids.device
+    eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=device)
+    was_training = model.training
+    model.eval()
+    try:
+        cache = DynamicCache()  # filled in place by every forward below
+        cache_kw = _cache_keyword(model)
+        out = model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=position_ids_from_mask(prompt_mask),
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_kw: cache},
+        )
+        cache.batch_repeat_interleave(group_size)
+        logits = out.logits[:, -1].float().repeat_interleave(group_size, dim=0)
+        attn = prompt_mask.repeat_interleave(group_size, dim=0)
+        next_pos = prompt_mask.sum(dim=1).repeat_interleave(group_size)
+
+        rows = attn.shape[0]
+        tokens, logps, alive_steps = [], [], []
+        alive = torch.ones(rows, dtype=torch.bool, device=device)
+        for step in range(params.max_new_tokens):
+            token, logp = _next_token(logits, params, generator)
+            token = torch.where(alive, token, pad_token_id)
+            tokens.append(token)
+            logps.append(torch.where(alive, logp, 0.0))
+            alive_steps.append(alive)
+            alive = alive & ~torch.isin(token, eos)
+            if not alive.any() or step == params.max_new_tokens - 1:
+                break
+            attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
+            out = model(
+                input_ids=token[:, None],
+                attention_mask=attn,
+                position_ids=next_pos[:, None],
+                use_cache=True,
+                **{cache_kw: cache},
+            )
+            next_pos = next_pos + 1
+            logits = out.logits[:, -1].float()
+    finally:
+        model.train(was_training)
+
+    completion_mask = torch.stack(alive_steps, dim=1).to(prompt_mask.dtype)
+    return Rollout(
+        prompt_ids=prompt_ids.repeat_interleave(group_size, dim=0),
+        prompt_mask=prompt_mask.repeat_interleave(group_size, dim=0),
+        completion_ids=torch.stack(tokens, dim=1),
+        completion_mask=completion_mask,
+        sampling_logps=torch.stack(logps, dim=1).float(),
+        group_size=group_size,
+    )

@@ -1,0 +1,103 @@
+"""Checkpoints: atomic writes, and a resumed run (even one killed in the middle of a save) reaching the same
+parameters as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from train_helpers import HERE, small_config
+
+from grpo_fast.train import train
+from grpo_fast.train import checkpoint as ckpt
+from grpo_fast.train.metrics import read_steps
+
+STEPS = 6
+
+
+def _final_params(out_dir):
+    _, path = ckpt.list_checkpoints(out_dir / "checkpoints")[-1]
+    return torch.load(path, weights_only=False)["model"]
+
+
+def _config_kwargs(tmp_path, name, **kw):
+    return dict(steps=STEPS, output_dir=str(tmp_path / name), **{"loss.beta": "0.05", "mu": 2}, **kw)
+
+
+def test_save_atomic_leaves_no_partial_file(tmp_path, monkeypatch):
+    path = ckpt.checkpoint_path(tmp_path, 3)
+    ckpt.save_atomic({"a": torch.ones(3)}, path)
+
+    def boom(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.os, "replace", boom)
+    try:
+        ckpt.save_atomic({"a": torch.zeros(3)}, path)
+    except OSError:
+        pass
+    assert torch.equal(torch.load(path)["a"], torch.ones(3))  # the old checkpoint is intact
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # and no temporary is left
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 2, 3, 4):
+        ckpt.save_atomic({"step": step}, ckpt.checkpoint_path(tmp_path, step))
+    ckpt.prune(tmp_path, 2)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [3, 4]
+
+
+def test_resume_after_a_kill_in_the_middle_of_a_save_matches_an_uninterrupted_run(tmp_path):
+    straight = small_config(tmp_path, **_config_kwargs(tmp_path, "straight"))
+    train(straight)
+    expected = _final_params(tmp_path / "straight")
+
+    # the same run in a child process that SIGKILLs itself halfway through writing the step-4 checkpoint
+    crashed_dir = tmp_path / "crashed"
+    overrides = _config_kwargs(tmp_path, "crashed", save_every=2, keep_checkpoints=0)
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(HERE)!r})
+        from pathlib import Path
+        from train_helpers import small_config
+        from grpo_fast.train import checkpoint, train
+
+        real_save = torch.save
+
+        def save_then_die(state, f, *a, **k):
+            if state["step"] == 4:
+                f.write(b"half a checkpoint")
+                f.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_save(state, f, *a, **k)
+
+        checkpoint.torch.save = save_then_die
+        train(small_config(Path({str(tmp_path)!r}), **{overrides!r}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    ckpt_dir = crashed_dir / "checkpoints"
+    assert [s for s, _ in ckpt.list_checkpoints(ckpt_dir)] == [2]
+    assert list(ckpt_dir.glob(".checkpoint-*.tmp"))  # the interrupted save's partial file
+
+    summary = train(small_config(tmp_path, **overrides, resume=True))
+    assert summary.steps == STEPS
+    assert not list(ckpt_dir.glob(".checkpoint-*.tmp"))
+    got = _final_params(crashed_dir)
+    assert got.keys() == expected.keys()
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k
+    # the metrics file reads as one run: steps 1..6 once each, one start and one end line
+    assert [s["step"] for s in read_steps(crashed_dir / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    events = [json.loads(line)["event"] for line in (crashed_dir / "metrics.jsonl").read_text().splitlines()]
+    assert events.count("start") == 1 and events.count("end") == 1
+
+
+def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
+    summary = train(small_config(tmp_path, steps=1, resume=True))
+    assert summary.steps == 1

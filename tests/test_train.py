@@ -1,0 +1,232 @@
+"""The trainer end to end on the built-in tiny model: values, gradient accumulation, skipped updates, LoRA, mu."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from train_helpers import HERE, small_config
+
+from grpo_fast.config import LossType
+from grpo_fast.train import train
+from grpo_fast.train.metrics import read_steps
+from grpo_fast.train.rollout import SamplingParams
+from grpo_fast.train.trainer import (
+    policy_update,
+    reference_logprobs,
+    rollout,
+    score,
+    setup,
+)
+from grpo_fast import group_advantages
+
+REWARDS = str(HERE / "train_helpers.py")
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_end_to_end_run_writes_finite_metrics_and_moves_parameters(tmp_path):
+    config = small_config(tmp_path, steps=3, plot=True)
+    summary = train(config)
+    steps = read_steps(tmp_path / "run" / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s in steps:
+        assert all(torch.isfinite(torch.tensor(s[k])) for k in ("loss", "reward", "entropy", "grad_norm"))
+        assert 0.0 <= s["reward"] <= 1.0 and s["skipped_updates"] == 0
+        assert s["sampling_logp_gap"] < 1e-4  # the rollout's log-probs are the training forward's
+    assert summary.steps == 3 and summary.eval_before is not None and summary.eval_after is not None
+    assert (tmp_path / "run" / "reward_kl.png").stat().st_size > 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["steps"] == 3
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["event"] == "start" and json.loads(lines[-1])["event"] == "end"
+    assert "held-out reward" in summary.line()
+
+
+def _first_token_logp(run, token: str) -> float:
+    """Mean log-prob of ``token`` as the first completion token over a fixed set of training prompts."""
+    from grpo_fast.train.trainer import encode_prompts
+
+    ids, mask, _ = encode_prompts(run, run.sampler.records[:32])
+    from grpo_fast.train.rollout import position_ids_from_mask
+
+    with torch.no_grad():
+        logits = run.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits
+    return float(logits[:, -1].log_softmax(-1)[:, run.tokenizer.convert_tokens_to_ids(token)].mean())
+
+
+def test_parameters_move_towards_the_rewarded_answer(tmp_path):
+    """Reward 'starts with 7': after a few updates the first-token log-prob of '7' must have risen."""
+    config = small_config(tmp_path, rewards=[f"{REWARDS}:starts_with_seven"], steps=6, group_size=8, lr=3e-3)
+    run = setup(config)
+    before = _first_token_logp(run, "7")
+    from grpo_fast.train.trainer import train_step
+
+    for _ in range(config.steps):
+        train_step(run)
+    assert _first_token_logp(run, "7") > before + 0.5
+
+
+def _one_generation(tmp_path, **overrides):
+    config = small_config(tmp_path, **overrides)
+    run = setup(config)
+    records = run.sampler.next_batch()
+    ro, completions = rollout(run, records, config.group_size, SamplingParams(config.max_new_tokens))
+    rewards = score(run, records, completions, config.group_size)
+    adv = group_advantages(rewards, group_size=config.group_size).advantages
+    return run, ro, adv
+
+
+@pytest.mark.parametrize("loss_type", [t.value for t in LossType])
+def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type):
+    """Micro-batches of 3 rows (uneven: 16 = 3*5 + 1) accumulate to the gradient of the whole generation."""
+    grads = []
+    for micro in (16, 3):
+        torch.manual_seed(0)
+        run, ro, adv = _one_generation(tmp_path, micro_batch_size=micro, **{"loss.loss_type": loss_type,
+                                                                            "loss.beta": "0.05"})
+        adv = torch.linspace(-1, 1, adv.shape[0])  # every row carries signal
+        ref = reference_logprobs(run, ro)
+        run.optimizer.step = lambda: None  # keep the gradient, skip the update
+        policy_update(run, ro, adv, None, ref)
+        grads.append({k: p.grad.clone() for k, p in run.model.named_parameters() if p.grad is not None})
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-6, rtol=1e-4, msg=k)
+
+
+def test_non_finite_update_is_skipped_and_weights_untouched(tmp_path):
+    run, ro, adv = _one_generation(tmp_path)
+    adv = torch.linspace(-1, 1, adv.shape[0])
+    before = _params(run.model)
+    opt_state = {k: dict(v) for k, v in run.optimizer.state.items()}
+    # a NaN gradient on one parameter (an overflow in the backward, say)
+    first = next(run.model.parameters())
+    handle = first.register_hook(lambda g: torch.full_like(g, float("nan")))
+    try:
+        metrics = policy_update(run, ro, adv, None, None)
+    finally:
+        handle.remove()
+    assert run.skipped_updates == 1 and metrics["grad_norm"] != metrics["grad_norm"]  # NaN
+    after = _params(run.model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert {k: dict(v) for k, v in run.optimizer.state.items()} == opt_state
+    # a NaN in the forward (the decoder's output) is caught before the loss
+    norm = run.model.model.norm
+    handle = norm.register_forward_hook(lambda mod, inp, out: out * float("nan"))
+    try:
+        policy_update(run, ro, adv, None, None)
+    finally:
+        handle.remove()
+    assert run.skipped_updates == 2
+    assert all(torch.equal(before[k], p.detach()) for k, p in run.model.named_parameters())
+    policy_update(run, ro, adv, None, None)  # a finite update then goes through
+    assert run.skipped_updates == 2
+    assert any(not torch.equal(before[k], p.detach()) for k, p in run.model.named_parameters())
+
+
+def test_mu_updates_compute_old_logps_and_start_unclipped(tmp_path):
+    summary = train(small_config(tmp_path, steps=2, mu=3, **{"loss.loss_type": "grpo"}))
+    steps = read_steps(tmp_path / "run" / "metrics.jsonl")
+    assert summary.steps == 2 and len(steps) == 2
+    assert all(0.0 <= s["clip_ratio_region"] <= 1.0 for s in steps)
+    assert "sampling_logp_gap" not in steps[0]  # with old log-probs the loss ratio is not against the sampler
+
+
+def test_beta_with_a_frozen_reference_starts_at_zero_kl(tmp_path):
+    run, ro, adv = _one_generation(tmp_path, **{"loss.beta": "0.1"})
+    assert run.ref_model is not None
+    metrics = policy_update(run, ro, adv, None, reference_logprobs(run, ro))
+    assert abs(metrics["kl"]) < 1e-6
+    assert all(not p.requires_grad for p in run.ref_model.parameters())
+
+
+def test_lora_reference_is_the_base_with_adapters_disabled(tmp_path):
+    pytest.importorskip("peft")
+    run, ro, adv = _one_generation(tmp_path, lora_r=4, lora_target_modules=["q_proj", "v_proj"],
+                                   **{"loss.beta": "0.1"})
+    assert run.ref_model is None
+    trainable = [n for n, p in run.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    ref = reference_logprobs(run, ro)
+    metrics = policy_update(run, ro, torch.linspace(-1, 1, adv.shape[0]), None, ref)
+    assert abs(metrics["kl"]) < 1e-6  # LoRA's B starts at zero: policy == base
+    # after the update the adapters differ from the base, and the reference did not move with them
+    assert torch.equal(reference_logprobs(run, ro), ref)
+    metrics = policy_update(run, ro, torch.linspace(-1, 1, adv.shape[0]), None, ref)
+    assert metrics["kl"] > 0
+
+
+def test_unscored_rows_and_user_rewards_by_path(tmp_path):
+    run, ro, adv = _one_generation(tmp_path, rewards=[f"{REWARDS}:half_scored", f"{REWARDS}:constant_reward"],
+                                   reward_weights=[1.0, 2.0])
+    records = run.sampler.records[:4]
+    rewards = score(run, records, ["1"] * 16, 4)
+    assert rewards.shape == (16, 2)
+    assert torch.isnan(rewards[1::2, 0]).all() and (rewards[:, 1] == 0.5).all()
+
+
+def _save_local_model(directory, arch: str, chat_template: str | None, weights: bool = True):
+    """A tiny model of ``arch`` saved as a transformers directory (what a user passes as --model PATH)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo_fast.train.tasks import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    if chat_template:
+        tok.chat_template = chat_template
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    else:
+        model = tiny_model(tok, seed=0)
+    if weights:
+        model.save_pretrained(directory)
+    else:
+        model.config.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("arch, template, weights", [
+    ("llama", None, False),  # a config.json only: built with random weights
+    ("qwen2", "{% for m in messages %}{{ m['content'] }}{% endfor %}", True),
+])
+def test_local_model_directory_and_jsonl_dataset(tmp_path, arch, template, weights):
+    model_dir = _save_local_model(tmp_path / "model", arch, template, weights)
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": f"max {a} {b}=", "answer": str(max(a, b))} for a in range(5) for b in range(5)]
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    if template:  # conversational prompts go through the chat template
+        rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in rows]
+        data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    summary = train(small_config(tmp_path, model=model_dir, dataset=str(data), eval_dataset=str(data), steps=2,
+                                 lr=1e-3, rewards=["math"]))
+    assert summary.steps == 2 and summary.eval_before is not None
+    steps = read_steps(tmp_path / "run" / "metrics.jsonl")
+    assert all(s["loss"] == s["loss"] for s in steps)
+
+
+def test_code_reward_dataset_runs_in_the_sandbox(tmp_path):
+    data = tmp_path / "code.jsonl"
+    rows = [{"prompt": "max 1 2=", "tests": ["assert 1 + 1 == 2", "assert f(1) == 2"]}] * 4
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run, ro, adv = _one_generation(tmp_path, dataset=str(data), rewards=["code"], steps=1)
+    records = run.sampler.records[:1]
+    rewards = score(run, records, ["def f(x):\n    return 2 * x", "f = None"], 2)
+    assert rewards[:, 0].tolist() == [1.0, 0.5]  # both pass the first test; only the first defines f correctly
+
+
+def test_missing_model_directory_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="never downloads models"):
+        setup(small_config(tmp_path, model="Qwen/Qwen2.5-0.5B"))
+
+
+def test_too_long_prompt_names_the_option(tmp_path):
+    run = setup(small_config(tmp_path, max_prompt_length=4))
+    with pytest.raises(ValueError, match="TrainConfig.max_prompt_length: a prompt has"):
+        rollout(run, run.sampler.records[:2], 2, SamplingParams(2))
