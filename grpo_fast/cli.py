@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     try:
         return _train(args)
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
         print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
 

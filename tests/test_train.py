@@ -230,3 +230,11 @@ def test_too_long_prompt_names_the_option(tmp_path):
     run = setup(small_config(tmp_path, max_prompt_length=4))
     with pytest.raises(ValueError, match="TrainConfig.max_prompt_length: a prompt has"):
         rollout(run, run.sampler.records[:2], 2, SamplingParams(2))
+
+
+def test_a_new_run_does_not_overwrite_an_earlier_one(tmp_path):
+    train(small_config(tmp_path, steps=1))
+    with pytest.raises(FileExistsError, match="already holds a run.*--resume.*--overwrite"):
+        train(small_config(tmp_path, steps=1))
+    summary = train(small_config(tmp_path, steps=1, overwrite=True))
+    assert summary.steps == 1 and len(read_steps(tmp_path / "run" / "metrics.jsonl")) == 1

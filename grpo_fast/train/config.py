@@ -102,6 +102,7 @@ class TrainConfig:
     save_every: int = _f(100, "checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")
     resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir")
+    overwrite: bool = _f(False, "start over in an output_dir that holds an earlier run (its checkpoints are deleted)")
     seed: int = _f(0, "seeds the model init, the prompt order and the sampling")
 
     def __post_init__(self):

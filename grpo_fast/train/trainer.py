@@ -469,6 +469,7 @@ def train(config: TrainConfig) -> Summary:
     out_dir = Path(config.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out_dir / "checkpoints"
+    _check_output_dir(config, out_dir, ckpt_dir)
     run = setup(config)
     resumed = config.resume and load_checkpoint(run, ckpt_dir)
     (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
@@ -483,8 +484,8 @@ def train(config: TrainConfig) -> Summary:
             metrics = train_step(run)
             if run.step % config.log_every == 0 or run.step == config.steps:
                 log.write(metrics)
-            bar.update(1)
             bar.set_postfix(_postfix(metrics), refresh=False)
+            bar.update(1)
             if config.save_every and run.step % config.save_every == 0 and run.step < config.steps:
                 save_checkpoint(run, ckpt_dir)
     finally:
@@ -496,6 +497,19 @@ def train(config: TrainConfig) -> Summary:
         plot_metrics(out_dir / "metrics.jsonl", out_dir / "reward_kl.png")
     summary = Summary(run.step, eval_before, eval_after, run.skipped_updates, out_dir, time.perf_counter() - t_start)
     return summary
+
+
+def _check_output_dir(config: TrainConfig, out_dir: Path, ckpt_dir: Path) -> None:
+    """A new run never silently overwrites an earlier run's metrics and checkpoints."""
+    earlier = ckpt.list_checkpoints(ckpt_dir) or (out_dir / "metrics.jsonl").exists()
+    if earlier and not (config.resume or config.overwrite):
+        raise FileExistsError(
+            f"TrainConfig.output_dir: {out_dir} already holds a run (metrics.jsonl or checkpoints); pass --resume to "
+            "continue it, --overwrite to start over in it, or choose another --output-dir"
+        )
+    if config.overwrite and not config.resume:
+        for _, path in ckpt.list_checkpoints(ckpt_dir):
+            path.unlink()
 
 
 def _progress(config: TrainConfig, initial: int):
