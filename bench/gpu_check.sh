@@ -30,4 +30,9 @@ for n in 8192 16384; do
   rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && bench_rc=$rc
 done
 
-echo "== summary ($(($(date +%s) - start)) s): tests rc=$tests_rc, bench rc=$bench_rc; files in $OUT"
+echo "== trainer on CUDA: the default task, bf16, Triton kernel path, 100 steps"
+timeout 90 python -m grpo_fast train --device cuda --steps 100 --output-dir "$OUT/train" --progress false \
+  2>&1 | tee "$OUT/train.log" | grep -E "kernel path|grpo-fast:|Error|error"
+train_rc=${PIPESTATUS[0]}
+
+echo "== summary ($(($(date +%s) - start)) s): tests rc=$tests_rc, bench rc=$bench_rc, train rc=$train_rc; files in $OUT"

@@ -238,3 +238,11 @@ def test_a_new_run_does_not_overwrite_an_earlier_one(tmp_path):
         train(small_config(tmp_path, steps=1))
     summary = train(small_config(tmp_path, steps=1, overwrite=True))
     assert summary.steps == 1 and len(read_steps(tmp_path / "run" / "metrics.jsonl")) == 1
+
+
+def test_eos_ids_include_the_generation_config(tmp_path):
+    from grpo_fast.train.trainer import eos_token_ids
+
+    run = setup(small_config(tmp_path))
+    run.model.generation_config.eos_token_id = [run.tokenizer.eos_token_id, 7]
+    assert eos_token_ids(run.model, run.tokenizer) == sorted({run.tokenizer.eos_token_id, 7})

@@ -22,7 +22,7 @@ from grpo_fast.dispatch import resolve_impl
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.data import PromptSampler, load_records, render_prompt
-from grpo_fast.train.forward import completion_hidden, head_of
+from grpo_fast.train.forward import completion_hidden, head_of, unwrap
 from grpo_fast.train.metrics import MetricsLog, plot_metrics
 from grpo_fast.train.rewards import compute_rewards, load_reward, reward_name
 from grpo_fast.train.rollout import Rollout, SamplingParams, generate
@@ -221,10 +221,21 @@ def encode_prompts(run: Run, records: list[dict]) -> tuple[torch.Tensor, torch.T
     return enc.input_ids.to(run.device), enc.attention_mask.to(run.device), texts
 
 
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (chat models often end turns with another
+    token, e.g. Llama-3's <|eot_id|>)."""
+    ids = [tokenizer.eos_token_id]
+    generation_config = getattr(unwrap(model), "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    ids += extra if isinstance(extra, list) else [extra]
+    return sorted({i for i in ids if i is not None})
+
+
 def rollout(run: Run, records: list[dict], group_size: int, params: SamplingParams) -> tuple[Rollout, list[str]]:
     prompt_ids, prompt_mask, _ = encode_prompts(run, records)
-    result = generate(run.model, prompt_ids, prompt_mask, group_size, params, eos_token_id=run.tokenizer.eos_token_id,
-                      pad_token_id=run.tokenizer.pad_token_id, generator=run.generator)
+    result = generate(run.model, prompt_ids, prompt_mask, group_size, params,
+                      eos_token_id=eos_token_ids(run.model, run.tokenizer), pad_token_id=run.tokenizer.pad_token_id,
+                      generator=run.generator)
     completions = run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
     return result, completions
 
