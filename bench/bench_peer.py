@@ -1,0 +1,369 @@
+"""Peer comparison: the default task trained for the same steps with grpo-fast and with TRL's GRPOTrainer.
+
+Both trainers run the default ``grpo-fast train`` configuration (grpo_fast/train/config.py ``TrainConfig``): the
+built-in ``digits`` task ("max 3 8 1 6=" -> "8", 4096 training prompts, math reward), the tiny 2-layer Qwen2 of
+``grpo_fast.train.tasks.tiny_model`` built from ``--seed`` (saved with ``save_pretrained`` and loaded by TRL, so both
+start from identical weights), 16 prompts x 16 completions per optimizer step in micro-batches of 64 (TRL:
+``per_device_train_batch_size=64``, ``gradient_accumulation_steps=4``, one generation per step, ``num_iterations=1``),
+at most 4 new tokens, temperature 1.0, top_p 1.0, no top-k, loss dapo, beta 0.04, epsilon 0.2, AdamW lr 5e-4 with betas
+(0.9, 0.99), no weight decay, gradient clipping at 1.0, 10 warm-up steps then a constant learning rate, advantages
+scaled per group, fp32 on the CPU. ``trl_args`` is the mapping from our config to TRL's ``GRPOConfig``.
+
+Each trainer runs in its own fresh process (``bench.harness.run_isolated``), one after the other, and reports:
+
+  step_ms         per optimizer step: sampling, rewards, advantages, forward/backward and the optimizer step
+                  (grpo-fast: its ``time_step_s``; TRL: a ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end``,
+                  which leaves out the Trainer's fetch of the step's 256 dataset rows and its logging)
+  peak_rss_mib    the process's peak resident set (imports, model, data, evaluations and training included);
+                  libs_rss_mib: its resident set once the trainer's libraries are imported (TRL's pull in datasets,
+                  accelerate, ...), run_peak_mib: the difference, what the run itself added
+  reward          the mean reward of each step's 256 sampled completions (the reward curve)
+  eval_*          held-out reward before and after training: greedy decoding of the 256 held-out prompts, scored
+                  with the math reward (grpo-fast's own ``evaluate``; the same procedure, ``heldout_reward``, for TRL)
+
+Not aligned (each trainer's own behaviour): the prompt order and the sampling random streams (both seeded by
+``--seed``, but differently), TRL prefills each prompt once per completion where grpo-fast prefills once per prompt,
+and transformers' ``constant_with_warmup`` schedule makes TRL's first update with lr 0 (update k, counted from 0,
+uses k/10 of the lr during warm-up) where grpo-fast's uses (k+1)/10.
+
+Threads: ``--threads`` (default 1) for both. The tiny model's matmuls gain nothing from a second thread, and on a
+2-core machine shared with other jobs OpenMP's threads stall each other: at load average 4, 2 threads made a
+grpo-fast step 50x slower (10 s instead of 0.2 s) and a TRL step 2x slower (one 5-step check).
+
+Outputs: ``--out`` (default ``bench/results/peer_cpu.csv``, one summary row per trainer with the load average at start
+and end: the machine may be shared), ``<out>_curve.csv`` (trainer, step, reward, step_ms) and ``<out>.png`` (reward
+curves; step time and peak memory).
+
+    python -m bench.bench_peer                    # 800 steps each, the default run
+    python -m bench.bench_peer --steps 5          # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: python bench/bench_peer.py
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from bench import harness
+
+TRAINERS = ("grpo_fast", "trl")
+FINAL_WINDOW = 50  # final_reward_avg: mean reward of the last this many steps
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Shared pieces
+
+
+def default_config(steps: int, seed: int, output_dir: str, **overrides):
+    """The default ``grpo-fast train`` config with ``steps`` and ``seed``; no progress bar, plot or checkpoints on the
+    way."""
+    from grpo_fast.train import build_config
+
+    values = {"steps": steps, "seed": seed, "output_dir": output_dir, "progress": False, "plot": False,
+              "save_every": 0, **overrides}
+    return build_config(overrides={k: str(v) for k, v in values.items()})
+
+
+def trl_args(cfg, output_dir: str) -> dict:
+    """``GRPOConfig`` keyword arguments for the run ``cfg`` (a ``TrainConfig``) describes."""
+    from grpo_fast.train.trainer import MODEL_LR, TINY_LR
+
+    rows = cfg.prompts_per_step * cfg.group_size
+    if rows % cfg.micro_batch_size:
+        raise ValueError(f"{rows} completions per step do not split into micro-batches of {cfg.micro_batch_size}")
+    assert cfg.lr_schedule == "constant", cfg.lr_schedule
+    return dict(
+        output_dir=output_dir, max_steps=cfg.steps, seed=cfg.seed,
+        # one optimizer step = one generation of prompts_per_step x group_size completions, in micro-batches
+        num_generations=cfg.group_size, per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=rows // cfg.micro_batch_size, num_iterations=cfg.mu,
+        max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+        loss_type=cfg.loss.loss_type.value, beta=cfg.loss.beta, epsilon=cfg.loss.epsilon,
+        epsilon_high=cfg.loss.eps_high, scale_rewards=cfg.scale_rewards,
+        learning_rate=cfg.lr or (TINY_LR if cfg.model == "tiny" else MODEL_LR), adam_beta1=cfg.adam_betas[0],
+        adam_beta2=cfg.adam_betas[1], weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
+        warmup_steps=cfg.warmup_steps, lr_scheduler_type="constant_with_warmup",
+        use_cpu=True, bf16=False, fp16=False, use_vllm=False, logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
+    )
+
+
+@torch.no_grad()
+def heldout_reward(model, tokenizer, records: list[dict], max_new_tokens: int, batch: int = 128) -> float:
+    """Mean math reward of greedy completions of ``records`` (grpo-fast's ``evaluate``, for any model)."""
+    from grpo_fast.train.rewards import math_reward
+    from grpo_fast.train.rollout import SamplingParams, generate
+
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    device = next(model.parameters()).device
+    total = 0.0
+    for start in range(0, len(records), batch):
+        chunk = records[start : start + batch]
+        enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True, padding_side="left",
+                        add_special_tokens=False)
+        ro = generate(model, enc.input_ids.to(device), enc.attention_mask.to(device), 1, params,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        completions = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
+        rewards = math_reward([r["prompt"] for r in chunk], completions, answer=[r["answer"] for r in chunk])
+        total += sum(x for x in rewards if x is not None)
+    return total / len(records)
+
+
+# the libraries each trainer loads; libs_rss_mib is the resident set once they are imported, before anything is built
+LIBRARIES = {
+    "grpo_fast": ("transformers.models.qwen2.modeling_qwen2", "math_verify", "grpo_fast.train.trainer"),
+    "trl": ("transformers.models.qwen2.modeling_qwen2", "math_verify", "grpo_fast.train.trainer", "datasets",
+            "trl.trainer.grpo_trainer"),
+}
+
+
+def _start(trainer: str, threads: int) -> dict:
+    import importlib
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    torch.set_num_threads(threads)
+    harness.reset_peak_rss()
+    start = dict(trainer=trainer, load_start=os.getloadavg()[0], t0=time.perf_counter())
+    for module in LIBRARIES[trainer]:
+        importlib.import_module(module)
+    return dict(start, libs_rss_bytes=harness.rss_bytes())
+
+
+def _result(start: dict, curve: list[dict], eval_before, eval_after, **extra) -> dict:
+    return dict(start, curve=curve, eval_before=eval_before, eval_after=eval_after,
+                peak_rss_bytes=harness.peak_rss_bytes(), load_end=os.getloadavg()[0],
+                wall_s=time.perf_counter() - start["t0"], **extra)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The two trainers (each runs inside an isolated child process)
+
+
+def run_grpo_fast(steps: int, seed: int, threads: int, overrides: dict | None = None) -> dict:
+    """grpo-fast's ``train`` on the default config; the per-step curve and the held-out rewards."""
+    start = _start("grpo_fast", threads)
+    from grpo_fast.train import train
+    from grpo_fast.train.metrics import read_steps
+
+    with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
+        summary = train(default_config(steps, seed, tmp, **(overrides or {})))
+        curve = [dict(step=s["step"], reward=s["reward"], step_ms=1e3 * s["time_step_s"])
+                 for s in read_steps(Path(tmp) / "metrics.jsonl")]
+    return _result(start, curve, summary.eval_before, summary.eval_after)
+
+
+def save_initial_model(directory, seed: int) -> str:
+    """grpo-fast's tiny model for ``seed`` and its tokenizer, saved for ``from_pretrained``."""
+    from grpo_fast.train.tasks import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer, seed).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def build_trl_trainer(cfg, model_dir: str, output_dir: str, callbacks=()):
+    """TRL's ``GRPOTrainer`` for the run ``cfg`` describes, on the model saved in ``model_dir``."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from grpo_fast.train.rewards import math_reward
+    from grpo_fast.train.tasks import builtin_records, tiny_tokenizer
+
+    dataset_name = cfg.dataset.split(":", 1)[1]
+    return GRPOTrainer(
+        model=model_dir,
+        reward_funcs=[math_reward],
+        args=GRPOConfig(**trl_args(cfg, output_dir)),
+        train_dataset=Dataset.from_list(builtin_records(dataset_name, "train", 4096)),
+        processing_class=tiny_tokenizer(),  # not AutoTokenizer: that would rebuild Qwen2's BPE (tests/trl_fixtures)
+        callbacks=list(callbacks),
+    )
+
+
+def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None) -> dict:
+    """TRL's ``GRPOTrainer`` on the same task, model weights and settings; the same outputs as ``run_grpo_fast``."""
+    start = _start("trl", threads)
+    from transformers import TrainerCallback
+
+    from grpo_fast.train.tasks import builtin_records
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ms, self._t = [], None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.ms.append(1e3 * (time.perf_counter() - self._t))
+
+    cfg = default_config(steps, seed, "unused", **(overrides or {}))
+    eval_records = builtin_records(cfg.dataset.split(":", 1)[1], "eval", cfg.eval_size)
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
+        model_dir = save_initial_model(Path(tmp) / "model", seed)
+        trainer = build_trl_trainer(cfg, model_dir, str(Path(tmp) / "out"), callbacks=[timer])
+        tokenizer = trainer.processing_class
+        eval_before = heldout_reward(trainer.model, tokenizer, eval_records, cfg.max_new_tokens)
+        trainer.train()
+        eval_after = heldout_reward(trainer.model, tokenizer, eval_records, cfg.max_new_tokens)
+    rewards = {h["step"]: h["reward"] for h in trainer.state.log_history if "reward" in h}
+    curve = [dict(step=i + 1, reward=rewards.get(i + 1, math.nan), step_ms=ms) for i, ms in enumerate(timer.ms)]
+    return _result(start, curve, eval_before, eval_after, trl=importlib.metadata.version("trl"))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Driver
+
+
+def summary_row(r: dict) -> dict:
+    ms = [c["step_ms"] for c in r["curve"]]
+    last = [c["reward"] for c in r["curve"][-FINAL_WINDOW:] if math.isfinite(c["reward"])]
+    mib = lambda b: round(b / harness.MIB, 1)  # noqa: E731
+    return dict(trainer=r["trainer"], steps=len(ms), median_step_ms=round(statistics.median(ms), 1),
+                total_train_s=round(sum(ms) / 1e3, 1), peak_rss_mib=mib(r["peak_rss_bytes"]),
+                libs_rss_mib=mib(r["libs_rss_bytes"]), run_peak_mib=mib(r["peak_rss_bytes"] - r["libs_rss_bytes"]),
+                eval_before=round(r["eval_before"], 4), eval_after=round(r["eval_after"], 4),
+                final_reward_avg=round(statistics.fmean(last), 4) if last else math.nan,
+                wall_s=round(r["wall_s"], 1), load_avg_start=round(r["load_start"], 2),
+                load_avg_end=round(r["load_end"], 2), trl=r.get("trl", ""), error="")
+
+
+def curve_path(out: Path) -> Path:
+    return out.with_name(out.stem + "_curve.csv")
+
+
+def plot(csv_path: Path, window: int = 25) -> Path:
+    """The PNG (next to ``csv_path``) from the two CSVs alone: reward curves, step times, peak memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from grpo_fast.train.metrics import _smooth
+
+    rows = [r for r in harness.read_csv(csv_path) if not r["error"]]
+    curves: dict[str, list[dict]] = {}
+    for c in harness.read_csv(curve_path(csv_path)):
+        curves.setdefault(c["trainer"], []).append(c)
+    colors = {"grpo_fast": "#1b7837", "trl": "#2166ac"}
+    labels = {"grpo_fast": "grpo-fast", "trl": "TRL GRPOTrainer"}
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw={"width_ratios": [2.2, 2.2, 1]})
+    for r in rows:
+        name = r["trainer"]
+        x = [int(c["step"]) for c in curves[name]]
+        reward = [float(c["reward"]) for c in curves[name]]
+        color, label = colors.get(name), labels.get(name, name)
+        axes[0].plot(x, reward, color=color, lw=0.6, alpha=0.25)
+        axes[0].plot(x, _smooth(reward, window), color=color, lw=2, label=f"{label} ({window}-step mean)")
+        axes[1].plot(x, [float(c["step_ms"]) for c in curves[name]], color=color, lw=0.6, alpha=0.6,
+                     label=f"{label} (median {float(r['median_step_ms']):.0f} ms)")
+    axes[0].set(xlabel="step", ylabel="mean reward of the step's samples", title="reward (default task)")
+    axes[1].set(xlabel="step", ylabel="ms", title="step time", yscale="log")
+    names = [labels.get(r["trainer"], r["trainer"]) for r in rows]
+    libs, run = [float(r["libs_rss_mib"]) for r in rows], [float(r["run_peak_mib"]) for r in rows]
+    axes[2].bar(names, libs, color="#cccccc", label="libraries imported")
+    bars = axes[2].bar(names, run, bottom=libs, color=[colors.get(r["trainer"]) for r in rows], label="the run")
+    axes[2].bar_label(bars, labels=[f"{a + b:.0f}" for a, b in zip(libs, run)])
+    axes[2].set(ylabel="MiB", title="peak RSS of the process")
+    axes[2].legend(fontsize=8, loc="lower right")
+    for ax in axes[:2]:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    png = Path(csv_path).with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def results_table(rows: list[dict]) -> str:
+    headers = ["trainer", "steps", "median ms / step", "train s (sum of steps)", "peak RSS MiB",
+               "of which libraries MiB", "held-out before", "held-out after", f"reward, last {FINAL_WINDOW} steps",
+               "load avg start/end", "error"]
+    body = []
+    for r in rows:
+        if r["error"]:
+            body.append([r["trainer"], "error"] + [""] * 8 + [r["error"][:80]])
+            continue
+        body.append([r["trainer"], r["steps"], r["median_step_ms"], r["total_train_s"], r["peak_rss_mib"],
+                     r["libs_rss_mib"], f"{r['eval_before']:.3f}", f"{r['eval_after']:.3f}",
+                     f"{r['final_reward_avg']:.3f}", f"{r['load_avg_start']:.1f} / {r['load_avg_end']:.1f}", ""])
+    return harness.markdown_table(headers, body)
+
+
+def _parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=800, help="optimizer steps per trainer (default 800, the default run)")
+    p.add_argument("--seed", type=int, default=0, help="model init, prompt order and sampling seed (default 0)")
+    p.add_argument("--trainers", nargs="+", choices=TRAINERS, default=list(TRAINERS))
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for both trainers (default 1)")
+    p.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                   help="change a field of the default config for both trainers, e.g. group_size=8 (TrainConfig "
+                        "names; TRL's settings follow through trl_args)")
+    p.add_argument("--out", type=Path, default=harness.RESULTS_DIR / "peer_cpu.csv",
+                   help="summary CSV; the curve goes to <out>_curve.csv and the plot to <out>.png")
+    p.add_argument("--replot", action="store_true", help="only redraw <out>.png from the two CSVs")
+    p.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per trainer process")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse_args(argv)
+    if args.replot:
+        print(f"plot: {plot(args.out)}")
+        return 0
+    threads = args.threads
+    overrides = dict(item.split("=", 1) for item in args.set)
+    default_config(args.steps, args.seed, "unused", **overrides)  # a bad name or value fails here, not in a child
+    print(f"peer comparison on {harness.device_name('cpu')}, {threads} threads: default task, {args.steps} steps, "
+          f"seed {args.seed}{'; ' + ' '.join(args.set) if args.set else ''}; trainers {', '.join(args.trainers)}",
+          flush=True)
+    rows, curves = [], {}
+    for name in args.trainers:
+        torch.set_num_threads(threads)  # env_fields records it
+        env = harness.env_fields("cpu")
+        print(f"  {name:>9} ... ", end="", flush=True)
+        t0 = time.perf_counter()
+        try:
+            params = dict(steps=args.steps, seed=args.seed, threads=threads, overrides=overrides)
+            r = harness.run_isolated(f"bench.bench_peer:run_{name}", params, timeout=args.timeout)
+            row = summary_row(r)
+            curves[name] = r["curve"]
+            print(f"{row['median_step_ms']:.0f} ms/step, peak {row['peak_rss_mib']:.0f} MiB, held-out "
+                  f"{row['eval_before']:.3f} -> {row['eval_after']:.3f}  [{time.perf_counter() - t0:.0f} s]",
+                  flush=True)
+        except harness.IsolatedError as e:
+            row = dict(trainer=name, steps=args.steps, error=str(e))
+            print(f"ERROR: {e}", flush=True)
+        row.update(env)
+        rows.append(row)
+
+    harness.write_csv(args.out, rows)
+    curve_rows = [dict(trainer=name, step=c["step"], reward=c["reward"], step_ms=round(c["step_ms"], 2))
+                  for name, curve in curves.items() for c in curve]
+    harness.write_csv(curve_path(args.out), curve_rows)
+    png = plot(args.out) if curves else None
+    print()
+    print(results_table(rows))
+    print(f"\nCSV: {args.out}, {curve_path(args.out)}" + (f"; plot: {png}" if png else ""))
+    return 0 if all(not r["error"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
