@@ -3,7 +3,7 @@
 This is the measurement behind the README's claim that the default run learns: each seed is a fresh process
 running exactly what ``grpo-fast train --seed S`` runs, with the progress bar off.
 
-    python -m bench.bench_demo                      # seeds 0 1 2 -> bench/results/demo_cpu.csv
+    python -m bench.bench_demo                      # seeds 0 1 2 -> bench/results/demo_cpu.csv (+ .png: seed 0)
     python -m bench.bench_demo --seeds 0 --steps 100
 """
 
@@ -21,17 +21,21 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_demo.py
 from bench.harness import env_fields, markdown_table, run_isolated, write_csv
 
 
-def train_one(seed: int, steps: int | None) -> dict:
-    """Child process: the default run with ``seed`` (and ``steps`` when given)."""
+def train_one(seed: int, steps: int | None, plot_path: str | None) -> dict:
+    """Child process: the default run with ``seed`` (and ``steps`` when given); its plot copied to ``plot_path``."""
+    import shutil
+
     import torch
 
     from grpo_fast.train import build_config, train
 
     with tempfile.TemporaryDirectory() as out:
-        overrides = {"seed": str(seed), "output_dir": out, "progress": "false", "plot": "false"}
+        overrides = {"seed": str(seed), "output_dir": out, "progress": "false", "plot": str(plot_path is not None)}
         if steps is not None:
             overrides["steps"] = str(steps)
         summary = train(build_config(overrides=overrides))
+        if plot_path:
+            shutil.copy(os.path.join(out, "reward_kl.png"), plot_path)
     return {"seed": seed, "steps": summary.steps, "eval_before": summary.eval_before,
             "eval_after": summary.eval_after, "train_s": round(summary.seconds, 1),
             "load_avg_1m": round(os.getloadavg()[0], 2), **env_fields(torch.device("cpu"))}
@@ -44,8 +48,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench/results/demo_cpu.csv")
     args = parser.parse_args(argv)
     rows = []
+    plot_path = os.path.splitext(args.out)[0] + ".png"  # the first seed's reward/KL plot
     for seed in args.seeds:
-        rows.append(run_isolated("bench.bench_demo:train_one", {"seed": seed, "steps": args.steps}))
+        params = {"seed": seed, "steps": args.steps, "plot_path": plot_path if seed == args.seeds[0] else None}
+        rows.append(run_isolated("bench.bench_demo:train_one", params))
         print(f"seed {seed}: {rows[-1]['eval_before']:.3f} -> {rows[-1]['eval_after']:.3f} in "
               f"{rows[-1]['train_s']:.0f} s", flush=True)
     write_csv(args.out, rows)

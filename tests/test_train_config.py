@@ -50,6 +50,7 @@ def test_file_then_command_line_precedence(tmp_path):
         ({"loss.loss_type": "ppo"}, "loss_type must be one of"),
         ({"rewards": "math,format", "reward_weights": "1"}, "one weight per reward"),
         ({"temperature": "0"}, "temperature must be > 0"),
+        ({"threads": "0"}, "TrainConfig.threads must be an int >= 1 or None, got 0"),
     ],
 )
 def test_bad_options_name_the_option_and_what_came(overrides, match):

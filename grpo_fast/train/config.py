@@ -54,6 +54,8 @@ class TrainConfig:
     tokenizer: str | None = _f(None, "tokenizer directory when it is not the model's")
     dtype: str = _f("auto", "parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     device: str = _f("auto", "auto (cuda when available), cpu, cuda, cuda:N")
+    threads: int | None = _f(None, "CPU threads for torch (None: 1 for the tiny model, whose small matmuls gain "
+                             "nothing from more and stall when the machine is busy; torch's default otherwise)")
     impl: str = _f("auto", "kernel path of the fused ops: auto (triton on CUDA), torch, triton, reference")
     lora_r: int = _f(0, "LoRA rank (0: train every parameter); the reference model is then the base with the "
                      "adapters disabled (needs peft)")
@@ -149,6 +151,9 @@ class TrainConfig:
             raise ValueError("TrainConfig.top_p must be > 0 (1.0 switches nucleus sampling off), got 0.0")
         if self.temperature == 0.0:
             raise ValueError("TrainConfig.temperature must be > 0 for training (GRPO needs diverse samples), got 0.0")
+        if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
+                                         or self.threads < 1):
+            raise ValueError(f"TrainConfig.threads must be an int >= 1 or None, got {self.threads!r}")
         if self.lr is not None and not (isinstance(self.lr, (int, float)) and self.lr > 0):
             raise ValueError(f"TrainConfig.lr must be > 0 or None, got {self.lr!r}")
         if self.reward_weights and self.rewards and len(self.reward_weights) != len(self.rewards):

@@ -156,6 +156,9 @@ def lr_lambda(config: TrainConfig, total_updates: int):
 def setup(config: TrainConfig) -> Run:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    threads = config.threads or (1 if config.model == "tiny" else None)
+    if threads:
+        torch.set_num_threads(threads)
     torch.manual_seed(config.seed)
     model, tokenizer = load_model_and_tokenizer(config, device, dtype)
     ref_model = None
@@ -184,9 +187,9 @@ def setup(config: TrainConfig) -> Run:
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in params)
     logger.info(
-        "model %s: %s, %.2fM parameters (%.2fM trained), %s on %s; fused-loss kernel path: %s; reference model: %s; "
+        "model %s: %s, %.2fM parameters (%.2fM trained), %s on %s (%d CPU threads); fused-loss kernel path: %s; reference model: %s; "
         "rewards: %s; %d training prompts, %d held-out",
-        config.model, type(model).__name__, n_params / 1e6, n_train / 1e6, dtype, device, impl,
+        config.model, type(model).__name__, n_params / 1e6, n_train / 1e6, dtype, device, torch.get_num_threads(), impl,
         "adapters disabled" if config.lora_r else ("frozen copy" if ref_model is not None else "none (beta=0)"),
         ", ".join(reward_name(f) for f in reward_funcs), len(train_records), len(eval_records),
     )
