@@ -20,13 +20,16 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     from grpo_fast.train.config import field_help
 
     p = sub.add_parser("train", help="train with GRPO (no arguments: the built-in CPU demo)",
+                       usage="grpo-fast train [--config FILE] [--OPTION VALUE ...]",
                        description=TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="a .toml or .yaml file of options")
-    for flag, default, text in field_help():
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for section, flag, default, text in field_help():
+        group = groups.setdefault(section, p.add_argument_group(section))
         is_bool = default in ("True", "False")
-        p.add_argument(flag, dest=flag[2:], metavar="BOOL" if is_bool else "VALUE", default=argparse.SUPPRESS,
-                       nargs="?" if is_bool else None, const="true" if is_bool else None,
-                       help=f"{text} (default: {default})")
+        group.add_argument(flag, dest=flag[2:], metavar="BOOL" if is_bool else "VALUE", default=argparse.SUPPRESS,
+                           nargs="?" if is_bool else None, const="true" if is_bool else None,
+                           help=f"{text} (default: {default})")
     return p
 
 

@@ -75,7 +75,7 @@ def test_help_lists_every_option_with_its_default(capsys):
     for f in dataclasses.fields(TrainConfig):
         if f.name != "loss":
             assert f"--{f.name.replace('_', '-')}" in text, f.name
-    for flag, default, _ in field_help():
+    for _, flag, default, _ in field_help():
         assert f"{flag} " in text or f"{flag}\n" in text
         assert f"(default: {default})" in text, flag
     assert "--loss.beta" in text and "--loss.temperature" not in text

@@ -87,7 +87,7 @@ class TrainConfig:
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
     top_k: int = _f(0, "top-k sampling (0: off)")
     scale_rewards: str = _f("group", "advantage scaling: group (TRL default), batch, none")
-    loss: GRPOLossConfig = _f(DEFAULT_LOSS, "the GRPO loss (DESIGN.md §4); set its fields with "
+    loss: GRPOLossConfig = _f(DEFAULT_LOSS, "the GRPO loss (README: Semantics); set its fields with "
                               "--loss.NAME. beta defaults to 0.04 (the GRPO paper's KL weight) rather than TRL's 0.0")
     # optimisation
     lr: float | None = _f(None, "AdamW learning rate (None: 5e-4 for the tiny model, 1e-6 otherwise)")
@@ -270,19 +270,27 @@ def _unknown(message: str, name: str, known) -> str:
     return message + (f"; did you mean {', '.join(near)}?" if near else f"; known: {', '.join(sorted(known))}")
 
 
-def field_help() -> list[tuple[str, str, str]]:
-    """(flag, default, help) for every option, the loss's fields included (for ``--help``)."""
+# --help groups the options: each section starts at the named field and runs to the next one (field order)
+SECTIONS = {"model": "model", "dataset": "data", "rewards": "rewards", "steps": "GRPO",
+            "loss": "loss (the semantics of TRL 1.16's GRPOTrainer)", "lr": "optimisation",
+            "output_dir": "logging and checkpoints"}
+
+
+def field_help() -> list[tuple[str, str, str, str]]:
+    """(section, flag, default, help) for every option, the loss's fields included (for ``--help``)."""
     rows = []
+    section = ""
     for f in dataclasses.fields(TrainConfig):
+        section = SECTIONS.get(f.name, section)
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.name == "loss":
             for lf in dataclasses.fields(GRPOLossConfig):
                 if lf.name in TRAINER_OWNED_LOSS_FIELDS:
                     continue
                 value = getattr(default, lf.name)
-                rows.append((f"--loss.{lf.name}", _show(value), LOSS_HELP[lf.name]))
+                rows.append((section, f"--loss.{lf.name}", _show(value), LOSS_HELP[lf.name]))
             continue
-        rows.append((f"--{f.name.replace('_', '-')}", _show(default), f.metadata["help"]))
+        rows.append((section, f"--{f.name.replace('_', '-')}", _show(default), f.metadata["help"]))
     return rows
 
 
