@@ -33,15 +33,22 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+# what bad input (options, files, model, data, rewards, checkpoint) raises before the first step
+_INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError, AttributeError)
+
+
 def _train(args: argparse.Namespace) -> int:
-    from grpo_fast.train import build_config, train
+    from grpo_fast.train import build_config, fit, prepare
     from grpo_fast.train.config import read_config_file
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    file_values = read_config_file(args.config) if args.config else {}
-    config = build_config(file_values, overrides)
-    summary = train(config)
-    print(summary.line())
+    try:
+        file_values = read_config_file(args.config) if args.config else {}
+        prepared = prepare(build_config(file_values, overrides))
+    except _INPUT_ERRORS as e:  # a one-line message that names the option; errors later keep their traceback
+        print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    print(fit(prepared).line())
     return 0
 
 
@@ -51,11 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
-    try:
-        return _train(args)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError) as e:
-        print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    return _train(args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from train_helpers import HERE, small_config
 
@@ -25,7 +26,9 @@ def _final_params(out_dir):
 
 
 def _config_kwargs(tmp_path, name, **kw):
-    return dict(steps=STEPS, output_dir=str(tmp_path / name), **{"loss.beta": "0.05", "mu": 2}, **kw)
+    # warm-up then cosine: the restored scheduler matters; beta and mu: the reference and old passes are covered
+    return dict(steps=STEPS, output_dir=str(tmp_path / name), warmup_steps=3, lr_schedule="cosine",
+                **{"loss.beta": "0.05", "mu": 2}, **kw)
 
 
 def test_save_atomic_leaves_no_partial_file(tmp_path, monkeypatch):
@@ -101,3 +104,11 @@ def test_resume_after_a_kill_in_the_middle_of_a_save_matches_an_uninterrupted_ru
 def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
     summary = train(small_config(tmp_path, steps=1, resume=True))
     assert summary.steps == 1
+
+
+def test_resume_with_other_options_is_refused(tmp_path):
+    train(small_config(tmp_path, steps=1))
+    with pytest.raises(ValueError, match=r"--resume: .* other options \(group_size: 4 -> 8\)"):
+        train(small_config(tmp_path, steps=2, group_size=8, resume=True))
+    summary = train(small_config(tmp_path, steps=2, resume=True))  # more steps is fine
+    assert summary.steps == 2

@@ -81,19 +81,21 @@ def _one_generation(tmp_path, **overrides):
 
 @pytest.mark.parametrize("loss_type", [t.value for t in LossType])
 def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type):
-    """Micro-batches of 3 rows (uneven: 16 = 3*5 + 1) accumulate to the gradient of the whole generation."""
-    grads = []
+    """Micro-batches of 3 rows (uneven: 16 = 3*5 + 1) accumulate to the gradient of the whole generation, the KL
+    term and the entropy bonus included; the token-weighted metrics do not depend on the micro-batch size."""
+    grads, metrics = [], []
     for micro in (16, 3):
         torch.manual_seed(0)
-        run, ro, adv = _one_generation(tmp_path, micro_batch_size=micro, **{"loss.loss_type": loss_type,
-                                                                            "loss.beta": "0.05"})
+        run, ro, adv = _one_generation(tmp_path, micro_batch_size=micro, **{
+            "loss.loss_type": loss_type, "loss.beta": "0.05", "loss.entropy_coef": "0.01"})
         adv = torch.linspace(-1, 1, adv.shape[0])  # every row carries signal
-        ref = reference_logprobs(run, ro)
-        run.optimizer.step = lambda: None  # keep the gradient, skip the update
-        policy_update(run, ro, adv, None, ref)
+        metrics.append(policy_update(run, ro, adv, None, reference_logprobs(run, ro)))
+        # the gradients survive the optimizer step (they are only cleared at the start of the next update)
         grads.append({k: p.grad.clone() for k, p in run.model.named_parameters() if p.grad is not None})
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-6, rtol=1e-4, msg=k)
+    for k in ("loss", "kl", "entropy"):
+        assert metrics[1][k] == pytest.approx(metrics[0][k], rel=1e-4, abs=1e-7), k
 
 
 def test_non_finite_update_is_skipped_and_weights_untouched(tmp_path):
@@ -108,7 +110,8 @@ def test_non_finite_update_is_skipped_and_weights_untouched(tmp_path):
         metrics = policy_update(run, ro, adv, None, None)
     finally:
         handle.remove()
-    assert run.skipped_updates == 1 and metrics["grad_norm"] != metrics["grad_norm"]  # NaN
+    assert run.skipped_updates == 1 and metrics == {"grad_norm": pytest.approx(float("nan"), nan_ok=True)}
+    assert run.scheduler.last_epoch == 0  # the schedule did not advance either
     after = _params(run.model)
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert {k: dict(v) for k, v in run.optimizer.state.items()} == opt_state
@@ -126,12 +129,25 @@ def test_non_finite_update_is_skipped_and_weights_untouched(tmp_path):
     assert any(not torch.equal(before[k], p.detach()) for k, p in run.model.named_parameters())
 
 
-def test_mu_updates_compute_old_logps_and_start_unclipped(tmp_path):
+def test_mu_updates_start_at_ratio_one_then_clip(tmp_path):
+    """With mu > 1 the old log-probs come from a no-grad pass of the same policy: the first update sees ratio 1
+    (nothing clipped), the later ones the moved policy."""
+    from grpo_fast.train.trainer import logprobs_of
+
+    run, ro, adv = _one_generation(tmp_path, lr=0.05, **{"loss.loss_type": "grpo", "loss.epsilon": "0.01"})
+    adv = torch.linspace(-1, 1, adv.shape[0])
+    old = logprobs_of(run, run.model, ro)
+    first = policy_update(run, ro, adv, old, None)
+    second = policy_update(run, ro, adv, old, None)
+    assert first["clip_ratio_region"] == 0.0 and second["clip_ratio_region"] > 0.0
+    assert "sampling_logp_gap" not in first  # with old log-probs the ratio is not against the sampler
+
+
+def test_mu_run_end_to_end(tmp_path):
     summary = train(small_config(tmp_path, steps=2, mu=3, **{"loss.loss_type": "grpo"}))
     steps = read_steps(tmp_path / "run" / "metrics.jsonl")
-    assert summary.steps == 2 and len(steps) == 2
-    assert all(0.0 <= s["clip_ratio_region"] <= 1.0 for s in steps)
-    assert "sampling_logp_gap" not in steps[0]  # with old log-probs the loss ratio is not against the sampler
+    assert summary.steps == 2 and [s["step"] for s in steps] == [1, 2]
+    assert all(0.0 <= s["clip_ratio_region"] <= 1.0 and s["loss"] is not None for s in steps)
 
 
 def test_beta_with_a_frozen_reference_starts_at_zero_kl(tmp_path):
@@ -208,7 +224,7 @@ def test_local_model_directory_and_jsonl_dataset(tmp_path, arch, template, weigh
                                  lr=1e-3, rewards=["math"]))
     assert summary.steps == 2 and summary.eval_before is not None
     steps = read_steps(tmp_path / "run" / "metrics.jsonl")
-    assert all(s["loss"] == s["loss"] for s in steps)
+    assert all(s["loss"] is not None for s in steps)  # NaN would be written as null
 
 
 def test_code_reward_dataset_runs_in_the_sandbox(tmp_path):
@@ -246,3 +262,61 @@ def test_eos_ids_include_the_generation_config(tmp_path):
     run = setup(small_config(tmp_path))
     run.model.generation_config.eos_token_id = [run.tokenizer.eos_token_id, 7]
     assert eos_token_ids(run.model, run.tokenizer) == sorted({run.tokenizer.eos_token_id, 7})
+
+
+def test_non_finite_reference_pass_skips_the_step(tmp_path):
+    """NaN hidden states in the no-grad old/reference passes skip the step instead of aborting the run."""
+    from grpo_fast.train.trainer import train_step
+
+    run = setup(small_config(tmp_path, mu=2, **{"loss.beta": "0.1"}))
+    before = _params(run.model)
+    handle = run.ref_model.model.norm.register_forward_hook(lambda mod, inp, out: out * float("nan"))
+    try:
+        metrics = train_step(run)
+    finally:
+        handle.remove()
+    assert run.skipped_updates == 1 and metrics["skipped_updates"] == 1 and "loss" not in metrics
+    assert all(torch.equal(before[k], p.detach()) for k, p in run.model.named_parameters())
+
+
+def test_bf16_autocast_keeps_float32_master_weights(tmp_path):
+    """--dtype bfloat16: forwards under autocast, parameters and AdamW states stay float32 and do move."""
+    run, ro, adv = _one_generation(tmp_path, dtype="bfloat16", **{"loss.beta": "0.1"})
+    assert run.ref_model is not None and next(run.ref_model.parameters()).dtype == torch.bfloat16
+    before = _params(run.model)
+    metrics = policy_update(run, ro, torch.linspace(-1, 1, adv.shape[0]), None, reference_logprobs(run, ro))
+    assert metrics["loss"] is not None and run.skipped_updates == 0
+    assert all(p.dtype == torch.float32 for p in run.model.parameters())
+    assert any(not torch.equal(before[k], p.detach()) for k, p in run.model.named_parameters())
+
+
+def test_lora_on_the_lm_head_is_refused(tmp_path):
+    pytest.importorskip("peft")
+    with pytest.raises(ValueError, match=r"lora_target_modules: \['lm_head'\] would put an adapter on the lm_head"):
+        setup(small_config(tmp_path, lora_r=4, lora_target_modules=["q_proj", "lm_head"]))
+
+
+def test_a_model_that_rescales_its_logits_is_refused(tmp_path, monkeypatch):
+    """Cohere-style logit scaling: the fused log-probs would not be the ones the model samples from."""
+    from grpo_fast.train import model as model_module
+
+    real = model_module.tiny_model
+
+    def scaled(tokenizer, seed):
+        m = real(tokenizer, seed)
+        m.lm_head.register_forward_hook(lambda mod, inp, out: out * 0.5)
+        return m
+
+    monkeypatch.setattr(model_module, "tiny_model", scaled)
+    with pytest.raises(ValueError, match="logits are not softcap\\(lm_head\\(last hidden state\\)\\)"):
+        setup(small_config(tmp_path))
+
+
+def test_conversational_prompts_give_message_completions_to_rewards(tmp_path):
+    seen = []
+
+    run = setup(small_config(tmp_path))
+    run.reward_funcs = [lambda prompts, completions, **kw: seen.extend(completions) or [1.0] * len(completions)]
+    score(run, [{"prompt": [{"role": "user", "content": "max 1 2="}], "answer": "2"}], ["2"], 1)
+    score(run, [{"prompt": "max 1 2=", "answer": "2"}], ["2"], 1)
+    assert seen == [[{"role": "assistant", "content": "2"}], "2"]

@@ -51,6 +51,9 @@ def test_file_then_command_line_precedence(tmp_path):
         ({"rewards": "math,format", "reward_weights": "1"}, "one weight per reward"),
         ({"temperature": "0"}, "temperature must be > 0"),
         ({"threads": "0"}, "TrainConfig.threads must be an int >= 1 or None, got 0"),
+        ({"lr": "inf"}, "TrainConfig.lr must be a finite number > 0 or None, got inf"),
+        ({"top_k": "-1"}, "TrainConfig.top_k must be an int >= 0"),
+        ({"adam_betas": "0.9,1.5"}, r"adam_betas must be two numbers in \[0, 1\)"),
     ],
 )
 def test_bad_options_name_the_option_and_what_came(overrides, match):
@@ -106,3 +109,8 @@ def test_documented_example_config_loads():
     path = Path(__file__).parents[1] / "docs" / "train_example.toml"
     config = build_config(read_config_file(path))
     assert config.lr_schedule == "cosine" and config.loss.epsilon_high == 0.28
+
+
+def test_a_bool_in_a_file_is_not_a_number():
+    with pytest.raises(ValueError, match="TrainConfig.temperature must be in"):
+        build_config({"temperature": True})

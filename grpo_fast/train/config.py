@@ -52,7 +52,8 @@ class TrainConfig:
                     "or a local directory holding a transformers causal LM and its tokenizer (a config.json without weights: "
                     "that architecture with random weights)")
     tokenizer: str | None = _f(None, "tokenizer directory when it is not the model's")
-    dtype: str = _f("auto", "parameter dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    dtype: str = _f("auto", "compute dtype of the forward passes (autocast; trained weights stay float32): auto "
+                    "(bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     device: str = _f("auto", "auto (cuda when available), cpu, cuda, cuda:N")
     threads: int | None = _f(None, "CPU threads for torch (None: 1 for the tiny model, whose small matmuls gain "
                              "nothing from more and stall when the machine is busy; torch's default otherwise)")
@@ -63,7 +64,7 @@ class TrainConfig:
     lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
     gradient_checkpointing: bool = _f(False, "recompute decoder activations in the backward to save memory")
     # data
-    dataset: str = _f("builtin:digits", "builtin:NAME (digits, add) or a local .jsonl/.json/.parquet file with a "
+    dataset: str = _f("builtin:digits", "builtin:NAME (digits, max) or a local .jsonl/.json/.parquet file with a "
                       "prompt column plus the columns the rewards need (answer, tests)")
     eval_dataset: str | None = _f(None, "held-out prompts for the before/after evaluation (a builtin task uses its "
                                   "own held-out split; a file dataset without one is not evaluated)")
@@ -145,7 +146,7 @@ class TrainConfig:
         for name, low, high in (("temperature", 0.0, math.inf), ("top_p", 0.0, 1.0), ("weight_decay", 0.0, math.inf),
                                 ("max_grad_norm", 0.0, math.inf)):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not (low <= value <= high):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value <= high):
                 raise ValueError(f"TrainConfig.{name} must be in [{low}, {high}], got {value!r}")
         if self.top_p == 0.0:
             raise ValueError("TrainConfig.top_p must be > 0 (1.0 switches nucleus sampling off), got 0.0")
@@ -154,13 +155,18 @@ class TrainConfig:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"TrainConfig.threads must be an int >= 1 or None, got {self.threads!r}")
-        if self.lr is not None and not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ValueError(f"TrainConfig.lr must be > 0 or None, got {self.lr!r}")
+        if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
+                                    or not (0 < self.lr < math.inf)):
+            raise ValueError(f"TrainConfig.lr must be a finite number > 0 or None, got {self.lr!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"TrainConfig.top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+        if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1:
+            raise ValueError(f"TrainConfig.lora_alpha must be an int >= 1, got {self.lora_alpha!r}")
         if self.reward_weights and self.rewards and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"TrainConfig.reward_weights must have one weight per reward ({len(self.rewards)}: "
                              f"{self.rewards}), got {len(self.reward_weights)}: {self.reward_weights}")
-        if len(self.adam_betas) != 2:
-            raise ValueError(f"TrainConfig.adam_betas must be two numbers, got {self.adam_betas!r}")
+        if len(self.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.adam_betas):
+            raise ValueError(f"TrainConfig.adam_betas must be two numbers in [0, 1), got {self.adam_betas!r}")
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

@@ -27,7 +27,10 @@ class MetricsLog:
         lines = self.path.read_text().splitlines() if truncate_after and self.path.exists() else []
         kept = []
         for line in lines:
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash or a full disk
+                continue
             if record.get("event") == "start":
                 self.header = record
             if record.get("event") == "end" or (record.get("event") == "step" and record["step"] > truncate_after):

@@ -10,8 +10,9 @@ import dataclasses
 import json
 import logging
 import math
+import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,9 +25,18 @@ from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.data import PromptSampler, load_records, render_prompt
 from grpo_fast.train.forward import completion_hidden, head_of, unwrap
 from grpo_fast.train.metrics import MetricsLog, plot_metrics
+from grpo_fast.train.model import (
+    attach_lora,
+    autocast,
+    check_head,
+    frozen_copy,
+    load_model_and_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
 from grpo_fast.train.rewards import compute_rewards, load_reward, reward_name
 from grpo_fast.train.rollout import Rollout, SamplingParams, generate
-from grpo_fast.train.tasks import builtin_records, tiny_model, tiny_tokenizer
+from grpo_fast.train.tasks import builtin_records
 
 logger = logging.getLogger("grpo_fast.train")
 
@@ -56,69 +66,9 @@ class Run:
     loss_config: GRPOLossConfig
     eval_records: list[dict]
     device: torch.device
+    dtype: torch.dtype  # the compute dtype (autocast); trained parameters stay float32
     step: int = 0
     skipped_updates: int = 0
-    history: list[dict] = field(default_factory=list)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"TrainConfig.device: {name!r} asked for, but torch.cuda.is_available() is False")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def load_model_and_tokenizer(config: TrainConfig, device, dtype):
-    if config.model == "tiny":
-        tokenizer = tiny_tokenizer()
-        model = tiny_model(tokenizer, config.seed)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        path = Path(config.model)
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"TrainConfig.model: expected 'tiny' or a local model directory, got {config.model!r} (not a "
-                "directory; grpo-fast never downloads models: save one with save_pretrained first)"
-            )
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, padding_side="left")
-        if _has_weights(path):
-            model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype)
-        else:  # a config.json alone: the architecture with fresh weights from the seed
-            from transformers import AutoConfig
-
-            logger.warning("model %s has no weights: building it from its config.json with random weights (seed %d)",
-                           path, config.seed)
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model))
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    model = model.to(device=device, dtype=dtype)
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    return model, tokenizer
-
-
-def _has_weights(path: Path) -> bool:
-    return any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or any(path.glob("*.safetensors.index.json"))
-
-
-def attach_lora(model, config: TrainConfig):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise ImportError("TrainConfig.lora_r > 0 needs peft (pip install peft)") from None
-    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, target_modules=config.lora_target_modules,
-                      task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
 
 
 def load_datasets(config: TrainConfig) -> tuple[list[dict], list[dict]]:
@@ -159,13 +109,16 @@ def setup(config: TrainConfig) -> Run:
     threads = config.threads or (1 if config.model == "tiny" else None)
     if threads:
         torch.set_num_threads(threads)
+    random.seed(config.seed)
     torch.manual_seed(config.seed)
-    model, tokenizer = load_model_and_tokenizer(config, device, dtype)
+    # full fine-tuning keeps float32 master weights; with LoRA the frozen base is stored in the compute dtype
+    model, tokenizer = load_model_and_tokenizer(config, device, dtype if config.lora_r else torch.float32)
+    check_head(model, len(tokenizer), device)
     ref_model = None
     if config.lora_r > 0:
         model = attach_lora(model, config)  # the reference is the base with the adapters disabled
     elif config.loss.beta != 0.0:
-        ref_model = _frozen_copy(model)
+        ref_model = frozen_copy(model, dtype)
     head = head_of(model)
     loss_config = dataclasses.replace(
         config.loss, temperature=config.temperature, softcap=head.softcap, max_completion_length=config.max_new_tokens
@@ -183,29 +136,21 @@ def setup(config: TrainConfig) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, config.steps * config.mu))
     generator = torch.Generator(device=device).manual_seed(config.seed)
     sampler = PromptSampler(train_records, config.prompts_per_step, seed=config.seed)
-    impl = resolve_impl(config.impl, head.weight.device, "grpo_loss", head.weight.dtype)
+    impl = resolve_impl(config.impl, device, "grpo_loss", dtype)
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in params)
     logger.info(
-        "model %s: %s, %.2fM parameters (%.2fM trained), %s on %s (%d CPU threads); fused-loss kernel path: %s; reference model: %s; "
-        "rewards: %s; %d training prompts, %d held-out",
-        config.model, type(model).__name__, n_params / 1e6, n_train / 1e6, dtype, device, torch.get_num_threads(), impl,
+        "model %s: %s, %.2fM parameters (%.2fM trained, float32 master weights), compute %s on %s (%d CPU threads); "
+        "fused-loss kernel path: %s; reference model: %s; rewards: %s; %d training prompts, %d held-out",
+        config.model, type(unwrap(model)).__name__, n_params / 1e6, n_train / 1e6, dtype, device,
+        torch.get_num_threads(), impl,
         "adapters disabled" if config.lora_r else ("frozen copy" if ref_model is not None else "none (beta=0)"),
         ", ".join(reward_name(f) for f in reward_funcs), len(train_records), len(eval_records),
     )
     return Run(config=config, model=model, ref_model=ref_model, tokenizer=tokenizer, optimizer=optimizer,
                scheduler=scheduler, sampler=sampler, generator=generator, reward_funcs=reward_funcs,
                reward_weights=torch.tensor(weights, dtype=torch.float32), loss_config=loss_config,
-               eval_records=eval_records, device=device)
-
-
-def _frozen_copy(model):
-    import copy
-
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
+               eval_records=eval_records, device=device, dtype=dtype)
 
 
 # ------------------------------------------------------------------------------------------------ the steps
@@ -236,20 +181,27 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def rollout(run: Run, records: list[dict], group_size: int, params: SamplingParams) -> tuple[Rollout, list[str]]:
     prompt_ids, prompt_mask, _ = encode_prompts(run, records)
-    result = generate(run.model, prompt_ids, prompt_mask, group_size, params,
-                      eos_token_id=eos_token_ids(run.model, run.tokenizer), pad_token_id=run.tokenizer.pad_token_id,
-                      generator=run.generator)
+    with autocast(run.device, run.dtype):
+        result = generate(run.model, prompt_ids, prompt_mask, group_size, params,
+                          eos_token_id=eos_token_ids(run.model, run.tokenizer), pad_token_id=run.tokenizer.pad_token_id,
+                          generator=run.generator)
     completions = run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
     return result, completions
 
 
 def score(run: Run, records: list[dict], completions: list[str], group_size: int) -> torch.Tensor:
-    """``[N, K]`` rewards (NaN: not scored) for the ``N = len(records) * group_size`` completions."""
+    """``[N, K]`` rewards (NaN: not scored) for the ``N = len(records) * group_size`` completions.
+
+    As in TRL, a completion of a conversational prompt (a list of messages) reaches the reward functions as
+    ``[{"role": "assistant", "content": text}]``, a plain-text prompt's as the text.
+    """
     rows = [r for r in records for _ in range(group_size)]
     prompt_column = run.config.prompt_column
     names = dict.fromkeys(k for r in records for k in r if k != prompt_column)  # rows may differ in columns
     columns = {k: [r.get(k) for r in rows] for k in names}
     prompts = [r[prompt_column] for r in rows]
+    completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                   for p, c in zip(prompts, completions)]
     return compute_rewards(run.reward_funcs, prompts, completions, columns)
 
 
@@ -263,27 +215,33 @@ def micro_batches(rollout_: Rollout, size: int):
         yield rows, slice(p0, None), slice(0, t1)
 
 
-def policy_hidden(model, ro: Rollout, rows, pcols, tcols):
-    return completion_hidden(model, ro.prompt_ids[rows, pcols], ro.prompt_mask[rows, pcols],
-                             ro.completion_ids[rows, tcols], ro.completion_mask[rows, tcols])
+def hidden_and_head(run: Run, model, ro: Rollout, rows, pcols, tcols):
+    """The micro-batch's completion hidden states and the lm_head, both in the compute dtype (the weight's cast is
+    differentiable: its gradient reaches the float32 master weight)."""
+    with autocast(run.device, run.dtype):
+        hidden = completion_hidden(model, ro.prompt_ids[rows, pcols], ro.prompt_mask[rows, pcols],
+                                   ro.completion_ids[rows, tcols], ro.completion_mask[rows, tcols])
+    head = head_of(model)
+    bias = None if head.bias is None else head.bias.to(run.dtype)
+    return hidden.to(run.dtype), head.weight.to(run.dtype), bias, head.softcap
 
 
 @torch.no_grad()
-def logprobs_of(run: Run, model, ro: Rollout) -> torch.Tensor:
-    """Per-token log-probs ``[N, T]`` of the sampled completions under ``model`` (old or reference policy)."""
-    head = head_of(model)
+def logprobs_of(run: Run, model, ro: Rollout) -> torch.Tensor | None:
+    """Per-token log-probs ``[N, T]`` of the sampled completions under ``model`` (old or reference policy); None
+    when the model's hidden states are not finite (the step is then skipped)."""
     out = torch.zeros(ro.completion_ids.shape, dtype=torch.float32, device=run.device)
     for rows, pcols, tcols in micro_batches(ro, run.config.micro_batch_size):
-        hidden = policy_hidden(model, ro, rows, pcols, tcols)
-        out[rows, tcols] = fused_logprobs(hidden, head.weight, ro.completion_ids[rows, tcols], bias=head.bias,
-                                          temperature=run.config.temperature, softcap=head.softcap,
+        hidden, weight, bias, softcap = hidden_and_head(run, model, ro, rows, pcols, tcols)
+        if not torch.isfinite(hidden).all():
+            return None
+        out[rows, tcols] = fused_logprobs(hidden, weight, ro.completion_ids[rows, tcols], bias=bias,
+                                          temperature=run.config.temperature, softcap=softcap,
                                           impl=run.config.impl).float()
     return out
 
 
 def reference_logprobs(run: Run, ro: Rollout) -> torch.Tensor | None:
-    if run.loss_config.beta == 0.0:
-        return None
     if run.ref_model is not None:
         return logprobs_of(run, run.ref_model, ro)
     with run.model.disable_adapter():
@@ -304,64 +262,77 @@ def micro_batch_scale(loss_type: LossType, rows: int, total_rows: int, tokens: f
     return rows / total_rows
 
 
+def micro_batch_config(config: GRPOLossConfig, weight: float, token_share: float) -> GRPOLossConfig:
+    """The entropy bonus is a token mean whatever the loss type: its coefficient is rescaled so that after the
+    micro-batch weight it counts with the micro-batch's share of tokens (the bonus of the whole generation)."""
+    if config.entropy_coef == 0.0:
+        return config
+    return dataclasses.replace(config, entropy_coef=config.entropy_coef * token_share / weight)
+
+
 def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps) -> dict:
     """One optimizer update over the whole generation (gradient accumulation over micro-batches).
 
-    A non-finite hidden state, loss or gradient norm skips the update: the gradients are dropped, the weights and the
-    optimizer state are not touched, and the skip is counted.
+    A non-finite hidden state, loss or gradient norm skips the update: the gradients are dropped, the weights, the
+    optimizer state and the schedule are not touched, and the skip is counted. Metrics are token-weighted means over
+    the generation (the loss: the accumulated total); a skipped update reports only its NaN gradient norm.
     """
     cfg, model = run.config, run.model
-    head = head_of(model)
     total_rows = ro.completion_ids.shape[0]
     total_tokens = float(ro.completion_mask.sum())
     run.optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     finite = True
-    logp_gap = []
+    logp_gap = 0.0
     for rows, pcols, tcols in micro_batches(ro, cfg.micro_batch_size):
-        hidden = policy_hidden(model, ro, rows, pcols, tcols)
+        hidden, weight, bias, _ = hidden_and_head(run, model, ro, rows, pcols, tcols)
         if not torch.isfinite(hidden).all():
             finite = False
             break
         mask = ro.completion_mask[rows, tcols]
+        tokens = float(mask.sum())
+        scale = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0], total_rows, tokens, total_tokens)
         out = grpo_loss(
-            hidden, head.weight, ro.completion_ids[rows, tcols], advantages[rows], mask,
+            hidden, weight, ro.completion_ids[rows, tcols], advantages[rows], mask,
             old_logps=None if old_logps is None else old_logps[rows, tcols],
             ref_logps=None if ref_logps is None else ref_logps[rows, tcols],
-            num_items_in_batch=total_tokens, bias=head.bias, config=run.loss_config, impl=cfg.impl,
+            num_items_in_batch=total_tokens, bias=bias, impl=cfg.impl,
+            config=micro_batch_config(run.loss_config, scale, tokens / max(total_tokens, 1.0)),
         )
-        weight = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0], total_rows, float(mask.sum()),
-                                   total_tokens)
-        loss = out.loss * weight
+        loss = out.loss * scale
         if not torch.isfinite(loss):
             finite = False
             break
         loss.backward()
-        share = hidden.shape[0] / total_rows
+        share = tokens / max(total_tokens, 1.0)
         _accumulate(sums, "loss", float(loss.detach()))
         for name in ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region"):
             value = getattr(out, name)
             if value is not None:
                 _accumulate(sums, name, float(value) * share)
-        logp_gap.append(((out.per_token_logps - ro.sampling_logps[rows, tcols]).abs() * mask).sum())
+        logp_gap += float(((out.per_token_logps - ro.sampling_logps[rows, tcols]).abs() * mask).sum())
     grad_norm = float("nan")
     if finite:
         params = [p for p in model.parameters() if p.grad is not None]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         finite = math.isfinite(grad_norm)
-    if finite:
-        run.optimizer.step()
-        run.scheduler.step()
-    else:  # like transformers' Trainer, a skipped update does not advance the schedule either
+    if not finite:  # like transformers' Trainer, a skipped update does not advance the schedule either
         run.optimizer.zero_grad(set_to_none=True)
-        run.skipped_updates += 1
-        logger.warning("step %d: non-finite loss or gradient; update skipped (%d so far), weights untouched",
-                       run.step, run.skipped_updates)
+        _count_skip(run, "non-finite loss or gradient")
+        return {"grad_norm": float("nan")}
+    run.optimizer.step()
+    run.scheduler.step()
     sums["grad_norm"] = grad_norm
-    if logp_gap and old_logps is None:
-        sums["sampling_logp_gap"] = float(torch.stack(logp_gap).sum()) / max(total_tokens, 1.0)
+    if old_logps is None:
+        sums["sampling_logp_gap"] = logp_gap / max(total_tokens, 1.0)
     return sums
+
+
+def _count_skip(run: Run, why: str) -> None:
+    run.skipped_updates += 1
+    logger.warning("step %d: %s; update skipped (%d so far), weights untouched", run.step + 1, why,
+                   run.skipped_updates)
 
 
 def _accumulate(d: dict, key: str, value: float) -> None:
@@ -374,20 +345,21 @@ def evaluate(run: Run) -> float | None:
     if not run.eval_records:
         return None
     params = SamplingParams(max_new_tokens=run.config.max_new_tokens, temperature=0.0)
-    total, count = 0.0, 0
-    for start in range(0, len(run.eval_records), 128):
-        records = run.eval_records[start : start + 128]
+    total = 0.0
+    chunk = max(1, run.config.micro_batch_size)
+    for start in range(0, len(run.eval_records), chunk):
+        records = run.eval_records[start : start + chunk]
         _, completions = rollout(run, records, 1, params)
         rewards = score(run, records, completions, 1)
-        combined = torch.nansum(rewards * run.reward_weights, dim=1)
-        total += float(combined.sum())
-        count += len(records)
-    return total / count
+        total += float(torch.nansum(rewards * run.reward_weights, dim=1).sum())
+    return total / len(run.eval_records)
 
 
 def train_step(run: Run) -> dict:
+    """One generation and its ``mu`` policy updates; returns the step's metrics."""
     cfg = run.config
     t0 = time.perf_counter()
+    lr = run.scheduler.get_last_lr()[0]
     records = run.sampler.next_batch()
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
     ro, completions = rollout(run, records, cfg.group_size, params)
@@ -396,27 +368,29 @@ def train_step(run: Run) -> dict:
     adv = group_advantages(rewards.to(run.device), group_size=cfg.group_size, scale=cfg.scale_rewards,
                            reward_weights=run.reward_weights.to(run.device))
     old_logps = logprobs_of(run, run.model, ro) if cfg.mu > 1 else None
-    ref_logps = reference_logprobs(run, ro)
+    ref_logps = reference_logprobs(run, ro) if run.loss_config.beta != 0.0 else None
     sums: dict[str, float] = {}
-    for _ in range(cfg.mu):
-        for k, v in policy_update(run, ro, adv.advantages, old_logps, ref_logps).items():
-            _accumulate(sums, k, v / cfg.mu)
+    if (cfg.mu > 1 and old_logps is None) or (run.loss_config.beta != 0.0 and ref_logps is None):
+        _count_skip(run, "non-finite hidden states in the old or reference pass")
+    else:
+        for _ in range(cfg.mu):
+            for k, v in policy_update(run, ro, adv.advantages, old_logps, ref_logps).items():
+                _accumulate(sums, k, v / cfg.mu)
     run.step += 1
     combined = torch.nansum(rewards * run.reward_weights, dim=1)
-    metrics = {
+    return {
         "step": run.step,
         "reward": float(combined.mean()),
-        "reward_std": float(combined.std()) if combined.numel() > 1 else 0.0,
+        "reward_std": float(combined.view(-1, cfg.group_size).std(dim=1).mean()),  # TRL's: mean of group stds
         **{f"rewards/{reward_name(f)}": float(torch.nanmean(rewards[:, k])) for k, f in enumerate(run.reward_funcs)},
         "frac_zero_std": float(adv.zero_std.float().mean()),
         "completion_length": float(ro.completion_lengths.float().mean()),
-        "lr": run.scheduler.get_last_lr()[0],
+        "lr": lr,
         **sums,
         "skipped_updates": run.skipped_updates,
         "time_generate_s": t_gen,
         "time_step_s": time.perf_counter() - t0,
     }
-    return metrics
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -439,6 +413,11 @@ def save_checkpoint(run: Run, directory: Path) -> Path:
     return path
 
 
+# options a resumed run may change; any other difference from the checkpoint's config is refused
+RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "keep_checkpoints", "resume",
+                     "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl"}
+
+
 def load_checkpoint(run: Run, directory: Path) -> bool:
     stale = ckpt.remove_stale_temporaries(directory)
     if stale:
@@ -448,7 +427,14 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
         logger.info("resume: no checkpoint in %s, starting from step 0", directory)
         return False
     step, path = found[-1]
-    state = torch.load(path, map_location=run.device, weights_only=False)
+    # on the CPU first: RNG states must stay CPU byte tensors; load_state_dict moves the rest where it belongs
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    saved, now = state["config"], run.config.to_dict()
+    changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
+    if changed:
+        diff = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        raise ValueError(f"--resume: {path} was written by a run with other options ({diff}); resume with the same "
+                         f"options (only {', '.join(sorted(RESUMABLE_CHANGES))} may change) or start a new run")
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
@@ -476,22 +462,44 @@ class Summary:
                 f"{fmt(self.eval_after)}; {self.skipped_updates} skipped updates; outputs in {self.output_dir}")
 
 
-def train(config: TrainConfig) -> Summary:
-    """Runs ``config.steps`` GRPO steps; returns the before/after evaluation. Metrics go to
-    ``output_dir/metrics.jsonl``, checkpoints to ``output_dir/checkpoints``."""
-    t_start = time.perf_counter()
+@dataclass
+class Prepared:
+    """A run ready to train: set up, resumed if asked, its before-evaluation done and logged."""
+
+    run: Run
+    log: MetricsLog
+    eval_before: float | None
+    out_dir: Path
+    started: float
+
+
+def prepare(config: TrainConfig) -> Prepared:
+    """Everything that can fail on the user's input (model, data, rewards, output directory, checkpoint), before
+    the first step."""
+    started = time.perf_counter()
     out_dir = Path(config.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     ckpt_dir = out_dir / "checkpoints"
     _check_output_dir(config, out_dir, ckpt_dir)
     run = setup(config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if config.overwrite and not config.resume:
+        for _, path in ckpt.list_checkpoints(ckpt_dir):
+            path.unlink()
     resumed = config.resume and load_checkpoint(run, ckpt_dir)
     (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
     log = MetricsLog(out_dir / "metrics.jsonl", truncate_after=run.step if resumed else 0)
-    eval_before = log.header.get("eval_before") if resumed else None
-    if not resumed:
+    if resumed:
+        eval_before = log.header.get("eval_before")
+    else:
         eval_before = evaluate(run)
         log.write_header({"eval_before": eval_before, "config": config.to_dict()})
+    return Prepared(run, log, eval_before, out_dir, started)
+
+
+def fit(prepared: Prepared) -> Summary:
+    """The loop: steps up to ``config.steps``, checkpoints, the after-evaluation and the plot."""
+    run, log, config = prepared.run, prepared.log, prepared.run.config
+    ckpt_dir = prepared.out_dir / "checkpoints"
     bar = _progress(config, run.step)
     try:
         while run.step < config.steps:
@@ -508,9 +516,15 @@ def train(config: TrainConfig) -> Summary:
     eval_after = evaluate(run)
     log.write_footer({"eval_after": eval_after})
     if config.plot:
-        plot_metrics(out_dir / "metrics.jsonl", out_dir / "reward_kl.png")
-    summary = Summary(run.step, eval_before, eval_after, run.skipped_updates, out_dir, time.perf_counter() - t_start)
-    return summary
+        plot_metrics(prepared.out_dir / "metrics.jsonl", prepared.out_dir / "reward_kl.png")
+    return Summary(run.step, prepared.eval_before, eval_after, run.skipped_updates, prepared.out_dir,
+                   time.perf_counter() - prepared.started)
+
+
+def train(config: TrainConfig) -> Summary:
+    """Runs ``config.steps`` GRPO steps; returns the before/after evaluation. Metrics go to
+    ``output_dir/metrics.jsonl``, checkpoints to ``output_dir/checkpoints``."""
+    return fit(prepare(config))
 
 
 def _check_output_dir(config: TrainConfig, out_dir: Path, ckpt_dir: Path) -> None:
@@ -521,9 +535,6 @@ def _check_output_dir(config: TrainConfig, out_dir: Path, ckpt_dir: Path) -> Non
             f"TrainConfig.output_dir: {out_dir} already holds a run (metrics.jsonl or checkpoints); pass --resume to "
             "continue it, --overwrite to start over in it, or choose another --output-dir"
         )
-    if config.overwrite and not config.resume:
-        for _, path in ckpt.list_checkpoints(ckpt_dir):
-            path.unlink()
 
 
 def _progress(config: TrainConfig, initial: int):
