@@ -320,3 +320,25 @@ def test_conversational_prompts_give_message_completions_to_rewards(tmp_path):
     score(run, [{"prompt": [{"role": "user", "content": "max 1 2="}], "answer": "2"}], ["2"], 1)
     score(run, [{"prompt": "max 1 2=", "answer": "2"}], ["2"], 1)
     assert seen == [[{"role": "assistant", "content": "2"}], "2"]
+
+
+def test_one_step_on_the_triton_kernel_path(tmp_path):
+    """What CUDA runs by default (impl auto -> triton), here through the Triton interpreter: the trainer's calls
+    (strided micro-batch slices, the reference pass, the cast weight) must suit the kernels too."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA or the Triton interpreter (TRITON_INTERPRET=1, set by conftest on CPU machines)")
+    torch.manual_seed(0)
+    run_t, ro, adv = _one_generation(tmp_path / "t", impl="triton", **{"loss.beta": "0.1", "loss.entropy_coef": "0.01"})
+    adv = torch.linspace(-1, 1, adv.shape[0])
+    m_t = policy_update(run_t, ro, adv, None, reference_logprobs(run_t, ro))
+    g_t = {k: p.grad.clone() for k, p in run_t.model.named_parameters() if p.grad is not None}
+    torch.manual_seed(0)
+    run_c, ro_c, _ = _one_generation(tmp_path / "c", impl="torch", **{"loss.beta": "0.1", "loss.entropy_coef": "0.01"})
+    assert torch.equal(ro.completion_ids, ro_c.completion_ids)
+    m_c = policy_update(run_c, ro_c, adv, None, reference_logprobs(run_c, ro_c))
+    assert m_t["loss"] == pytest.approx(m_c["loss"], rel=1e-4, abs=1e-6)
+    for k, p in run_c.model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(g_t[k], p.grad, atol=1e-5, rtol=1e-4, msg=k)
