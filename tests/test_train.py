@@ -342,3 +342,30 @@ def test_one_step_on_the_triton_kernel_path(tmp_path):
     for k, p in run_c.model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(g_t[k], p.grad, atol=1e-5, rtol=1e-4, msg=k)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "qwen3", "llama"])
+def test_architectures_sample_and_train_on_the_same_log_probs(tmp_path, arch):
+    """Gemma-2 (final-logit softcap, a 4-token sliding window shorter than the prompts), Qwen3 (q/k norms) and Llama
+    saved as local directories: the fused training log-probs equal the cached sampler's, and an update runs."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    from grpo_fast.train.tasks import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=128,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    config, cls = {
+        "gemma2": (Gemma2Config(**common, final_logit_softcapping=5.0, sliding_window=4), Gemma2ForCausalLM),
+        "qwen3": (Qwen3Config(**common), Qwen3ForCausalLM),
+        "llama": (LlamaConfig(**common), LlamaForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    run, ro, _ = _one_generation(tmp_path, model=str(tmp_path / "model"), **{"loss.beta": "0.1"})
+    assert run.loss_config.softcap == (5.0 if arch == "gemma2" else None)
+    metrics = policy_update(run, ro, torch.linspace(-1, 1, ro.completion_ids.shape[0]), None,
+                            reference_logprobs(run, ro))
+    assert metrics["sampling_logp_gap"] < 1e-5 and abs(metrics["kl"]) < 1e-6 and run.skipped_updates == 0
