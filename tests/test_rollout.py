@@ -115,3 +115,23 @@ def test_sampling_is_reproducible_with_a_seeded_generator(model, tok):
                      pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(5)) for _ in range(2)]
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     assert torch.equal(runs[0].sampling_logps, runs[1].sampling_logps)
+
+
+def test_prompt_chunks_concatenate_to_one_rollout(model, tok):
+    """Generating the prompts in chunks gives the greedy completions of generating them together."""
+    from grpo_fast.train.rollout import concat_rollouts
+
+    ids, mask = _encode(tok)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    kw = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    whole = generate(model, ids, mask, 2, params, **kw)
+    parts = []
+    for i in range(len(PROMPTS)):
+        one_ids, one_mask = _encode(tok, PROMPTS[i : i + 1])
+        parts.append(generate(model, one_ids, one_mask, 2, params, **kw))
+    joined = concat_rollouts(parts, tok.pad_token_id)
+    for name in ("prompt_ids", "prompt_mask", "completion_mask"):
+        assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+    keep = whole.completion_mask.bool()
+    assert torch.equal(joined.completion_ids[keep], whole.completion_ids[keep])
+    torch.testing.assert_close(joined.sampling_logps, whole.sampling_logps, atol=1e-9, rtol=0)

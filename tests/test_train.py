@@ -29,7 +29,7 @@ def _params(model):
 
 
 def test_end_to_end_run_writes_finite_metrics_and_moves_parameters(tmp_path):
-    config = small_config(tmp_path, steps=3, plot=True)
+    config = small_config(tmp_path, steps=3, plot=True, generation_prompts=3)  # 4 prompts: chunks of 3 and 1
     summary = train(config)
     steps = read_steps(tmp_path / "run" / "metrics.jsonl")
     assert [s["step"] for s in steps] == [1, 2, 3]

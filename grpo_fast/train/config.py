@@ -82,6 +82,8 @@ class TrainConfig:
     prompts_per_step: int = _f(16, "distinct prompts per generation")
     group_size: int = _f(16, "completions sampled per prompt (G)")
     mu: int = _f(1, "policy updates per generation (TRL's num_iterations); old log-probs are computed when > 1")
+    generation_prompts: int = _f(0, "prompts sampled at once (their groups' KV caches bound generation memory; "
+                                 "0: all prompts_per_step together)")
     micro_batch_size: int = _f(64, "completions per forward/backward; the generation's rows are accumulated")
     max_new_tokens: int = _f(4, "longest completion; sampling stops earlier at EOS")
     temperature: float = _f(1.0, "sampling temperature (the loss uses the same)")
@@ -136,7 +138,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 1, got {value!r}")
-        for name in ("lora_r", "warmup_steps", "save_every", "keep_checkpoints", "seed"):
+        for name in ("lora_r", "warmup_steps", "save_every", "keep_checkpoints", "seed", "generation_prompts"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {value!r}")

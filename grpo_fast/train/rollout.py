@@ -44,6 +44,28 @@ class Rollout:
         return self.completion_mask.sum(dim=1)
 
 
+def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
+    """One ``Rollout`` from several (prompt chunks generated one after the other): prompts re-padded on the left,
+    completions on the right, to the longest of all."""
+    if len(parts) == 1:
+        return parts[0]
+    P = max(r.prompt_ids.shape[1] for r in parts)
+    T = max(r.completion_ids.shape[1] for r in parts)
+
+    def pad(x, width, value, left):
+        extra = width - x.shape[1]
+        return torch.nn.functional.pad(x, (extra, 0) if left else (0, extra), value=value)
+
+    return Rollout(
+        prompt_ids=torch.cat([pad(r.prompt_ids, P, pad_token_id, True) for r in parts]),
+        prompt_mask=torch.cat([pad(r.prompt_mask, P, 0, True) for r in parts]),
+        completion_ids=torch.cat([pad(r.completion_ids, T, pad_token_id, False) for r in parts]),
+        completion_mask=torch.cat([pad(r.completion_mask, T, 0, False) for r in parts]),
+        sampling_logps=torch.cat([pad(r.sampling_logps, T, 0.0, False) for r in parts]),
+        group_size=parts[0].group_size,
+    )
+
+
 def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
     """Positions that start at 0 on the first real token of each (left-padded) row; padding gets 0."""
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)

@@ -35,7 +35,7 @@ from grpo_fast.train.model import (
     resolve_dtype,
 )
 from grpo_fast.train.rewards import compute_rewards, load_reward, reward_name
-from grpo_fast.train.rollout import Rollout, SamplingParams, generate
+from grpo_fast.train.rollout import Rollout, SamplingParams, concat_rollouts, generate
 from grpo_fast.train.tasks import builtin_records
 
 logger = logging.getLogger("grpo_fast.train")
@@ -180,11 +180,17 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 
 def rollout(run: Run, records: list[dict], group_size: int, params: SamplingParams) -> tuple[Rollout, list[str]]:
-    prompt_ids, prompt_mask, _ = encode_prompts(run, records)
-    with autocast(run.device, run.dtype):
-        result = generate(run.model, prompt_ids, prompt_mask, group_size, params,
-                          eos_token_id=eos_token_ids(run.model, run.tokenizer), pad_token_id=run.tokenizer.pad_token_id,
-                          generator=run.generator)
+    """Samples ``group_size`` completions per record, ``generation_prompts`` prompts at a time (their KV caches are
+    what bounds generation memory)."""
+    chunk = run.config.generation_prompts or len(records)
+    parts = []
+    for start in range(0, len(records), chunk):
+        prompt_ids, prompt_mask, _ = encode_prompts(run, records[start : start + chunk])
+        with autocast(run.device, run.dtype):
+            parts.append(generate(run.model, prompt_ids, prompt_mask, group_size, params,
+                                  eos_token_id=eos_token_ids(run.model, run.tokenizer),
+                                  pad_token_id=run.tokenizer.pad_token_id, generator=run.generator))
+    result = concat_rollouts(parts, run.tokenizer.pad_token_id)
     completions = run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
     return result, completions
 
