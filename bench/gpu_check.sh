@@ -2,7 +2,8 @@
 # The one GPU check: CUDA tests of the Triton kernels, then the GPU benchmarks, then a short results table.
 # Installs nothing from the network (only grpo-fast itself, in place, so that `grpo_fast.kernels` maps to kernels/);
 # expects torch, triton and transformers on the machine (liger-kernel optional: its rows then record the error).
-# Budget: under 8 minutes on one H200. Results go to $OUT (default bench/results/gpu).
+# Budget: under 8 minutes on one H200 even if every step runs into its timeout (120 + 2 x 130 + 60 s).
+# Results go to $OUT (default bench/results/gpu).
 #   bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
 
 echo "== CUDA tests (kernels on the GPU, bf16, V=151936 / N=65553)"
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_logprobs_torch.py -x \
+timeout 120 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_logprobs_torch.py -x \
   -k "not peak_memory" 2>&1 | tee "$OUT/tests.log" | tail -5
 tests_rc=${PIPESTATUS[0]}
 
@@ -23,7 +24,7 @@ echo "== GPU benchmark: grpo_loss fwd+bwd, bf16, H=4096"
 bench_rc=0
 for n in 8192 16384; do
   # triton vs the materialised reference vs Liger (chunked, and its Triton loss on logits) vs the bare matmuls
-  timeout 160 python -m bench.bench_loss --device cuda --dtype bf16 --n "$n" --batch 8 --h 4096 \
+  timeout 130 python -m bench.bench_loss --device cuda --dtype bf16 --n "$n" --batch 8 --h 4096 \
     --vocab 128256 151936 --warmup 2 --reps 5 --timeout 60 \
     --impls triton reference liger liger_triton matmul --csv "$OUT/loss_gpu_n$n.csv" 2>&1 \
     | tee "$OUT/bench_n$n.log" | tail -13
@@ -31,7 +32,7 @@ for n in 8192 16384; do
 done
 
 echo "== trainer on CUDA: the default task, bf16, Triton kernel path, 100 steps"
-timeout 90 python -m grpo_fast train --device cuda --steps 100 --output-dir "$OUT/train" --progress false \
+timeout 60 python -m grpo_fast train --device cuda --steps 100 --output-dir "$OUT/train" --progress false \
   2>&1 | tee "$OUT/train.log" | grep -E "kernel path|grpo-fast:|Error|error"
 train_rc=${PIPESTATUS[0]}
 
