@@ -114,7 +114,7 @@ def test_make_format_reward():
 def test_load_builtin_rewards():
     assert load_reward("math") is math_reward
     assert load_reward(" format ") is format_reward
-    assert set(BUILTIN_REWARDS) == {"math", "format", "code"}
+    assert set(BUILTIN_REWARDS) == {"math", "exact", "format", "code"}
 
 
 def test_load_builtin_code_reward():
@@ -147,7 +147,7 @@ def test_load_reward_from_module_on_sys_path(tmp_path, monkeypatch):
         sys.modules.pop("syspath_rewards", None)
 
 
-FORMS = r"Expected a built-in reward \(code, format, math\), 'module:function'"
+FORMS = r"Expected a built-in reward \(code, exact, format, math\), 'module:function'"
 
 
 @pytest.mark.parametrize("spec", ["mathh", "no_colon_module", ":fn", "module:"])
@@ -237,3 +237,11 @@ def test_compute_rewards_rejects_misaligned_inputs():
         compute_rewards([_const([0.0] * 3)], ["p"] * 2, ["a", "b", "c"], {})
     with pytest.raises(ValueError, match="column 'answer' has 1 values for 3 completions"):
         compute_rewards([_const([0.0] * 3)], ["p"] * 3, ["a", "b", "c"], {"answer": ["a"]})
+
+
+def test_exact_reward():
+    from grpo_fast.train.rewards import exact_reward
+
+    completions = [" 7 ", "7.0", [{"role": "assistant", "content": "7"}], "8"]
+    assert exact_reward([None] * 5, completions + ["x"], ["7", "7", "7", "7", None]) == [1.0, 0.0, 1.0, 0.0, None]
+    assert load_reward("exact") is exact_reward

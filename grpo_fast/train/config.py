@@ -74,7 +74,7 @@ class TrainConfig:
     max_prompt_length: int = _f(512, "prompts longer than this many tokens are refused with an error")
     eval_size: int = _f(256, "prompts in the before/after evaluation (greedy decoding, one completion each)")
     # rewards
-    rewards: list[str] = _f([], "reward functions: math, format, code, or module:function / path.py:function "
+    rewards: list[str] = _f([], "reward functions: math, exact, format, code, or module:function / path.py:function "
                             "(empty: the builtin task's own)")
     reward_weights: list[float] = _f([], "one weight per reward function (empty: all 1)")
     # GRPO

@@ -6,8 +6,8 @@ column arrives as a keyword argument holding one value per completion (``answer=
 ``**kwargs`` so that columns it does not use are ignored. ``None`` means "this function does not score this sample";
 :func:`compute_rewards` turns it into NaN, which the group advantages skip.
 
-Built-ins (:data:`BUILTIN_REWARDS`): ``math`` (:func:`math_reward`), ``format`` (:func:`format_reward`) and
-``code`` (``grpo_fast.train.sandbox.code_reward``). :func:`load_reward` resolves those names as well as user
+Built-ins (:data:`BUILTIN_REWARDS`): ``math`` (:func:`math_reward`), ``exact`` (:func:`exact_reward`), ``format``
+(:func:`format_reward`) and ``code`` (``grpo_fast.train.sandbox.code_reward``). :func:`load_reward` resolves those names as well as user
 functions given as ``module:function`` or ``path/to/file.py:function``.
 """
 
@@ -34,6 +34,7 @@ RewardFn = Callable[..., list]
 # name -> "module:function"; resolved lazily by load_reward, so that e.g. the sandbox is imported only when used.
 BUILTIN_REWARDS: dict[str, str] = {
     "code": "grpo_fast.train.sandbox:code_reward",
+    "exact": "grpo_fast.train.rewards:exact_reward",
     "format": "grpo_fast.train.rewards:format_reward",
     "math": "grpo_fast.train.rewards:math_reward",
 }
@@ -146,6 +147,16 @@ def math_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -
         prediction = _parse_prediction(mv, completion_text(completion), timeout)
         scores.append(1.0 if prediction and mv.verify(gold, prediction, timeout_seconds=timeout) else 0.0)
     return scores
+
+
+def exact_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float | None]:
+    """1.0 when the stripped completion is exactly the stripped gold ``answer``, else 0.0 (None without an answer).
+
+    For answers with one spelling (labels, single tokens) where :func:`math_reward`'s parsing is not wanted, or
+    where math-verify is not installed.
+    """
+    return [None if gold is None else float(completion_text(c).strip() == str(gold).strip())
+            for c, gold in zip(completions, answer, strict=True)]
 
 
 # ------------------------------------------------------------------------------------------------- format reward

@@ -77,7 +77,7 @@ def load_datasets(config: TrainConfig) -> tuple[list[dict], list[dict]]:
         train = builtin_records(name, "train", 4096)
         evaluation = builtin_records(name, "eval", config.eval_size)
         return train, evaluation
-    needs = ("answer",) if any(r == "math" for r in config.rewards) else ()
+    needs = ("answer",) if any(r in ("math", "exact") for r in config.rewards) else ()
     needs += ("tests",) if any(r == "code" for r in config.rewards) else ()
     train = load_records(config.dataset, prompt_column=config.prompt_column, required=needs)
     evaluation = []
