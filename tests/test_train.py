@@ -49,7 +49,7 @@ def _first_token_logp(run, token: str) -> float:
     """Mean log-prob of ``token`` as the first completion token over a fixed set of training prompts."""
     from grpo_fast.train.trainer import encode_prompts
 
-    ids, mask, _ = encode_prompts(run, run.sampler.records[:32])
+    ids, mask = encode_prompts(run, run.sampler.records[:32])
     from grpo_fast.train.rollout import position_ids_from_mask
 
     with torch.no_grad():

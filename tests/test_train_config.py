@@ -49,6 +49,8 @@ def test_file_then_command_line_precedence(tmp_path):
         ({"loss.temperature": "0.7"}, "loss.temperature is set by the trainer"),
         ({"loss.loss_type": "ppo"}, "loss_type must be one of"),
         ({"rewards": "math,format", "reward_weights": "1"}, "one weight per reward"),
+        ({"reward_weights": "1,2"}, r"one weight per reward \(1: \['math'\]\), got 2"),
+        ({"rewards": ""}, "TrainConfig.rewards must name at least one reward function"),
         ({"temperature": "0"}, "temperature must be > 0"),
         ({"threads": "0"}, "TrainConfig.threads must be an int >= 1 or None, got 0"),
         ({"lr": "inf"}, "TrainConfig.lr must be a finite number > 0 or None, got inf"),

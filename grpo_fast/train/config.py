@@ -74,8 +74,8 @@ class TrainConfig:
     max_prompt_length: int = _f(512, "prompts longer than this many tokens are refused with an error")
     eval_size: int = _f(256, "prompts in the before/after evaluation (greedy decoding, one completion each)")
     # rewards
-    rewards: list[str] = _f([], "reward functions: math, exact, format, code, or module:function / path.py:function "
-                            "(empty: the builtin task's own)")
+    rewards: list[str] = _f(["math"], "reward functions: math, exact, format, code, or module:function / "
+                            "path.py:function")
     reward_weights: list[float] = _f([], "one weight per reward function (empty: all 1)")
     # GRPO
     steps: int = _f(800, "training steps; each samples one generation and makes mu optimizer updates on it")
@@ -164,7 +164,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.top_k must be an int >= 0 (0: off), got {self.top_k!r}")
         if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1:
             raise ValueError(f"TrainConfig.lora_alpha must be an int >= 1, got {self.lora_alpha!r}")
-        if self.reward_weights and self.rewards and len(self.reward_weights) != len(self.rewards):
+        if not self.rewards:
+            raise ValueError("TrainConfig.rewards must name at least one reward function, got an empty list")
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"TrainConfig.reward_weights must have one weight per reward ({len(self.rewards)}: "
                              f"{self.rewards}), got {len(self.reward_weights)}: {self.reward_weights}")
         if len(self.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.adam_betas):

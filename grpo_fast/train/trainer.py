@@ -42,7 +42,6 @@ logger = logging.getLogger("grpo_fast.train")
 
 # loss types whose reduction is a sum over tokens divided by num_items_in_batch (DESIGN.md §4)
 TOKEN_SUM_LOSSES = (LossType.DAPO, LossType.CISPO, LossType.VESPO)
-BUILTIN_REWARDS = ["math"]
 TINY_LR, MODEL_LR = 5e-4, 1e-6
 
 
@@ -124,12 +123,8 @@ def setup(config: TrainConfig) -> Run:
         config.loss, temperature=config.temperature, softcap=head.softcap, max_completion_length=config.max_new_tokens
     )
     train_records, eval_records = load_datasets(config)
-    names = config.rewards or BUILTIN_REWARDS
-    reward_funcs = [load_reward(name) for name in names]
-    weights = config.reward_weights or [1.0] * len(reward_funcs)
-    if len(weights) != len(reward_funcs):
-        raise ValueError(f"TrainConfig.reward_weights: expected {len(reward_funcs)} weights (rewards: {names}), "
-                         f"got {weights}")
+    reward_funcs = [load_reward(name) for name in config.rewards]
+    weights = config.reward_weights or [1.0] * len(reward_funcs)  # TrainConfig checked the count
     lr = config.lr or (TINY_LR if config.model == "tiny" else MODEL_LR)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(config.adam_betas), weight_decay=config.weight_decay)
@@ -156,7 +151,7 @@ def setup(config: TrainConfig) -> Run:
 # ------------------------------------------------------------------------------------------------ the steps
 
 
-def encode_prompts(run: Run, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
+def encode_prompts(run: Run, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     texts = [render_prompt(run.tokenizer, r[run.config.prompt_column], system_prompt=run.config.system_prompt)
              for r in records]
     enc = run.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -166,7 +161,7 @@ def encode_prompts(run: Run, records: list[dict]) -> tuple[torch.Tensor, torch.T
             f"TrainConfig.max_prompt_length: a prompt has {enc.input_ids.shape[1]} tokens, more than "
             f"{run.config.max_prompt_length}: {texts[longest][:80]!r}..."
         )
-    return enc.input_ids.to(run.device), enc.attention_mask.to(run.device), texts
+    return enc.input_ids.to(run.device), enc.attention_mask.to(run.device)
 
 
 def eos_token_ids(model, tokenizer) -> list[int]:
@@ -183,12 +178,12 @@ def rollout(run: Run, records: list[dict], group_size: int, params: SamplingPara
     """Samples ``group_size`` completions per record, ``generation_prompts`` prompts at a time (their KV caches are
     what bounds generation memory)."""
     chunk = run.config.generation_prompts or len(records)
+    eos = eos_token_ids(run.model, run.tokenizer)
     parts = []
     for start in range(0, len(records), chunk):
-        prompt_ids, prompt_mask, _ = encode_prompts(run, records[start : start + chunk])
+        prompt_ids, prompt_mask = encode_prompts(run, records[start : start + chunk])
         with autocast(run.device, run.dtype):
-            parts.append(generate(run.model, prompt_ids, prompt_mask, group_size, params,
-                                  eos_token_id=eos_token_ids(run.model, run.tokenizer),
+            parts.append(generate(run.model, prompt_ids, prompt_mask, group_size, params, eos_token_id=eos,
                                   pad_token_id=run.tokenizer.pad_token_id, generator=run.generator))
     result = concat_rollouts(parts, run.tokenizer.pad_token_id)
     completions = run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
@@ -297,20 +292,20 @@ def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps) -> di
             break
         mask = ro.completion_mask[rows, tcols]
         tokens = float(mask.sum())
+        share = tokens / max(total_tokens, 1.0)  # the micro-batch's share of the generation's tokens
         scale = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0], total_rows, tokens, total_tokens)
         out = grpo_loss(
             hidden, weight, ro.completion_ids[rows, tcols], advantages[rows], mask,
             old_logps=None if old_logps is None else old_logps[rows, tcols],
             ref_logps=None if ref_logps is None else ref_logps[rows, tcols],
             num_items_in_batch=total_tokens, bias=bias, impl=cfg.impl,
-            config=micro_batch_config(run.loss_config, scale, tokens / max(total_tokens, 1.0)),
+            config=micro_batch_config(run.loss_config, scale, share),
         )
         loss = out.loss * scale
         if not torch.isfinite(loss):
             finite = False
             break
         loss.backward()
-        share = tokens / max(total_tokens, 1.0)
         _accumulate(sums, "loss", float(loss.detach()))
         for name in ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region"):
             value = getattr(out, name)
@@ -335,6 +330,11 @@ def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps) -> di
     return sums
 
 
+def weighted_reward(run: Run, rewards: torch.Tensor) -> torch.Tensor:
+    """``[N]``: each completion's weighted sum over the reward functions (unscored ones count 0)."""
+    return torch.nansum(rewards * run.reward_weights, dim=1)
+
+
 def _count_skip(run: Run, why: str) -> None:
     run.skipped_updates += 1
     logger.warning("step %d: %s; update skipped (%d so far), weights untouched", run.step + 1, why,
@@ -357,7 +357,7 @@ def evaluate(run: Run) -> float | None:
         records = run.eval_records[start : start + chunk]
         _, completions = rollout(run, records, 1, params)
         rewards = score(run, records, completions, 1)
-        total += float(torch.nansum(rewards * run.reward_weights, dim=1).sum())
+        total += float(weighted_reward(run, rewards).sum())
     return total / len(run.eval_records)
 
 
@@ -383,7 +383,7 @@ def train_step(run: Run) -> dict:
             for k, v in policy_update(run, ro, adv.advantages, old_logps, ref_logps).items():
                 _accumulate(sums, k, v / cfg.mu)
     run.step += 1
-    combined = torch.nansum(rewards * run.reward_weights, dim=1)
+    combined = weighted_reward(run, rewards)
     return {
         "step": run.step,
         "reward": float(combined.mean()),
@@ -406,7 +406,7 @@ def save_checkpoint(run: Run, directory: Path) -> Path:
     state = {
         "step": run.step,
         "skipped_updates": run.skipped_updates,
-        "model": {k: v for k, v in run.model.state_dict().items()},
+        "model": run.model.state_dict(),
         "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "sampler": run.sampler.state_dict(),
@@ -492,13 +492,14 @@ def prepare(config: TrainConfig) -> Prepared:
         for _, path in ckpt.list_checkpoints(ckpt_dir):
             path.unlink()
     resumed = config.resume and load_checkpoint(run, ckpt_dir)
-    (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    resolved = config.to_dict()
+    (out_dir / "config.json").write_text(json.dumps(resolved, indent=2))
     log = MetricsLog(out_dir / "metrics.jsonl", truncate_after=run.step if resumed else 0)
     if resumed:
         eval_before = log.header.get("eval_before")
     else:
         eval_before = evaluate(run)
-        log.write_header({"eval_before": eval_before, "config": config.to_dict()})
+        log.write_header({"eval_before": eval_before, "config": resolved})
     return Prepared(run, log, eval_before, out_dir, started)
 
 
