@@ -14,6 +14,17 @@ def _clean(value):
     return value
 
 
+def read_records(path: Path) -> list[dict]:
+    """Every complete line of a metrics file (a last line cut short by a crash or a full disk is skipped)."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 class MetricsLog:
     """Appends one JSON object per line, flushed at once so nothing is lost when a run stops.
 
@@ -24,19 +35,15 @@ class MetricsLog:
     def __init__(self, path: Path, truncate_after: int = 0):
         self.path = Path(path)
         self.header: dict = {}
-        lines = self.path.read_text().splitlines() if truncate_after and self.path.exists() else []
+        records = read_records(self.path) if truncate_after and self.path.exists() else []
         kept = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:  # a line cut short by a crash or a full disk
-                continue
+        for record in records:
             if record.get("event") == "start":
                 self.header = record
             if record.get("event") == "end" or (record.get("event") == "step" and record["step"] > truncate_after):
                 continue
-            kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+            kept.append(record)
+        self.path.write_text("".join(json.dumps(record) + "\n" for record in kept))
 
     def _append(self, record: dict) -> None:
         with self.path.open("a") as f:
@@ -54,7 +61,7 @@ class MetricsLog:
 
 
 def read_steps(path: Path) -> list[dict]:
-    return [r for r in map(json.loads, Path(path).read_text().splitlines()) if r.get("event") == "step"]
+    return [r for r in read_records(path) if r.get("event") == "step"]
 
 
 def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
@@ -66,7 +73,7 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines()]
+    records = read_records(metrics_path)
     steps = [r for r in records if r.get("event") == "step"]
     if not steps:
         return None
