@@ -19,7 +19,7 @@ Each trainer runs in its own fresh process (``bench.harness.run_isolated``), one
                   accelerate, ...), run_peak_mib: the difference, what the run itself added
   reward          the mean reward of each step's 256 sampled completions (the reward curve)
   eval_*          held-out reward before and after training: greedy decoding of the 256 held-out prompts, scored
-                  with the math reward (grpo-fast's own ``evaluate``; the same procedure, ``heldout_reward``, for TRL)
+                  with the math reward (grpo-fast's own ``evaluate``, for TRL pointed at TRL's model)
 
 Not aligned (each trainer's own behaviour): the prompt order and the sampling random streams (both seeded by
 ``--seed``, but differently), TRL prefills each prompt once per completion where grpo-fast prefills once per prompt,
@@ -97,27 +97,6 @@ def trl_args(cfg, output_dir: str) -> dict:
         use_cpu=True, bf16=False, fp16=False, use_vllm=False, logging_steps=1, report_to="none",
         save_strategy="no", disable_tqdm=True, dataloader_num_workers=0,
     )
-
-
-@torch.no_grad()
-def heldout_reward(model, tokenizer, records: list[dict], max_new_tokens: int, batch: int = 128) -> float:
-    """Mean math reward of greedy completions of ``records`` (grpo-fast's ``evaluate``, for any model)."""
-    from grpo_fast.train.rewards import math_reward
-    from grpo_fast.train.rollout import SamplingParams, generate
-
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
-    device = next(model.parameters()).device
-    total = 0.0
-    for start in range(0, len(records), batch):
-        chunk = records[start : start + batch]
-        enc = tokenizer([r["prompt"] for r in chunk], return_tensors="pt", padding=True, padding_side="left",
-                        add_special_tokens=False)
-        ro = generate(model, enc.input_ids.to(device), enc.attention_mask.to(device), 1, params,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-        completions = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
-        rewards = math_reward([r["prompt"] for r in chunk], completions, answer=[r["answer"] for r in chunk])
-        total += sum(x for x in rewards if x is not None)
-    return total / len(records)
 
 
 # the libraries each trainer loads; libs_rss_mib is the resident set once they are imported, before anything is built
@@ -199,7 +178,7 @@ def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None) 
     start = _start("trl", threads)
     from transformers import TrainerCallback
 
-    from grpo_fast.train.tasks import builtin_records
+    from grpo_fast.train.trainer import evaluate, setup
 
     class StepTimer(TrainerCallback):
         def __init__(self):
@@ -212,15 +191,17 @@ def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None) 
             self.ms.append(1e3 * (time.perf_counter() - self._t))
 
     cfg = default_config(steps, seed, "unused", **(overrides or {}))
-    eval_records = builtin_records(cfg.dataset.split(":", 1)[1], "eval", cfg.eval_size)
     timer = StepTimer()
+    # grpo-fast's own held-out evaluation (same prompts, greedy decoding, reward), pointed at TRL's model below;
+    # set up first, so that TRL's Trainer seeds the random streams after it as it always does
+    scorer = setup(cfg)
     with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
         model_dir = save_initial_model(Path(tmp) / "model", seed)
         trainer = build_trl_trainer(cfg, model_dir, str(Path(tmp) / "out"), callbacks=[timer])
-        tokenizer = trainer.processing_class
-        eval_before = heldout_reward(trainer.model, tokenizer, eval_records, cfg.max_new_tokens)
+        scorer.model = trainer.model
+        eval_before = evaluate(scorer)
         trainer.train()
-        eval_after = heldout_reward(trainer.model, tokenizer, eval_records, cfg.max_new_tokens)
+        eval_after = evaluate(scorer)
     rewards = {h["step"]: h["reward"] for h in trainer.state.log_history if "reward" in h}
     curve = [dict(step=i + 1, reward=rewards.get(i + 1, math.nan), step_ms=ms) for i, ms in enumerate(timer.ms)]
     return _result(start, curve, eval_before, eval_after, trl=importlib.metadata.version("trl"))
