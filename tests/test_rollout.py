@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from grpo_fast import fused_logprobs
-from grpo_fast.train.forward import completion_hidden, head_of
-from grpo_fast.train.rollout import SamplingParams, filter_logits, generate, position_ids_from_mask
+from grpo_fast.train.forward import completion_hidden, head_of, position_ids_from_mask
+from grpo_fast.train.rollout import SamplingParams, filter_logits, generate
 from grpo_fast.train.tasks import tiny_model, tiny_tokenizer
 
 PROMPTS = ["max 3 8 1=", "min 4 0 7 2 9=", "max 5 5 5 1="]  # uneven lengths: left padding is exercised

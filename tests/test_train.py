@@ -50,7 +50,7 @@ def _first_token_logp(run, token: str) -> float:
     from grpo_fast.train.trainer import encode_prompts
 
     ids, mask = encode_prompts(run, run.sampler.records[:32])
-    from grpo_fast.train.rollout import position_ids_from_mask
+    from grpo_fast.train.forward import position_ids_from_mask
 
     with torch.no_grad():
         logits = run.model(input_ids=ids, attention_mask=mask, position_ids=position_ids_from_mask(mask)).logits

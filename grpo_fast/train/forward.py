@@ -6,8 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-from grpo_fast.train.rollout import position_ids_from_mask
-
 
 @dataclass(frozen=True)
 class Head:
@@ -17,6 +15,11 @@ class Head:
     weight: torch.Tensor
     bias: torch.Tensor | None
     softcap: float | None
+
+
+def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Positions that start at 0 on the first real token of each (left-padded) row; padding gets 0."""
+    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
 def unwrap(model):

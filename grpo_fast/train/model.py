@@ -17,8 +17,7 @@ import torch
 
 from grpo_fast import fused_logprobs
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.forward import decoder_of, head_of, unwrap
-from grpo_fast.train.rollout import position_ids_from_mask
+from grpo_fast.train.forward import decoder_of, head_of, position_ids_from_mask, unwrap
 from grpo_fast.train.tasks import tiny_model, tiny_tokenizer
 
 logger = logging.getLogger("grpo_fast.train")

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_fast.train.forward import position_ids_from_mask, unwrap
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -66,11 +68,6 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     )
 
 
-def position_ids_from_mask(mask: torch.Tensor) -> torch.Tensor:
-    """Positions that start at 0 on the first real token of each (left-padded) row; padding gets 0."""
-    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Set to -inf every logit outside the top-k and outside the smallest set whose probability reaches top_p."""
     if top_k > 0 and top_k < logits.shape[-1]:
@@ -100,8 +97,8 @@ def _next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.G
 
 def _cache_keyword(model) -> str:
     """transformers >= 5.2x calls the KV-cache argument ``cache``; earlier releases ``past_key_values``."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT forwards **kwargs
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    # the transformers model's own signature: a PEFT wrapper's forward takes **kwargs
+    return "cache" if "cache" in inspect.signature(unwrap(model).forward).parameters else "past_key_values"
 
 
 @torch.no_grad()
