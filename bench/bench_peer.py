@@ -160,14 +160,14 @@ def build_trl_trainer(cfg, model_dir: str, output_dir: str, callbacks=()):
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_fast.train.rewards import math_reward
-    from grpo_fast.train.tasks import builtin_records, tiny_tokenizer
+    from grpo_fast.train.tasks import TASK_SIZE, builtin_records, tiny_tokenizer
 
     dataset_name = cfg.dataset.split(":", 1)[1]
     return GRPOTrainer(
         model=model_dir,
         reward_funcs=[math_reward],
         args=GRPOConfig(**trl_args(cfg, output_dir)),
-        train_dataset=Dataset.from_list(builtin_records(dataset_name, "train", 4096)),
+        train_dataset=Dataset.from_list(builtin_records(dataset_name, "train", TASK_SIZE)),
         processing_class=tiny_tokenizer(),  # not AutoTokenizer: that would rebuild Qwen2's BPE (tests/trl_fixtures)
         callbacks=list(callbacks),
     )

@@ -36,7 +36,7 @@ from grpo_fast.train.model import (
 )
 from grpo_fast.train.rewards import compute_rewards, load_reward, reward_name
 from grpo_fast.train.rollout import Rollout, SamplingParams, concat_rollouts, generate
-from grpo_fast.train.tasks import builtin_records
+from grpo_fast.train.tasks import TASK_SIZE, builtin_records
 
 logger = logging.getLogger("grpo_fast.train")
 
@@ -73,7 +73,7 @@ class Run:
 def load_datasets(config: TrainConfig) -> tuple[list[dict], list[dict]]:
     if config.dataset.startswith("builtin:"):
         name = config.dataset.split(":", 1)[1]
-        train = builtin_records(name, "train", 4096)
+        train = builtin_records(name, "train", TASK_SIZE)
         evaluation = builtin_records(name, "eval", config.eval_size)
         return train, evaluation
     needs = ("answer",) if any(r in ("math", "exact") for r in config.rewards) else ()
