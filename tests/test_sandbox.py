@@ -196,7 +196,10 @@ def test_cpu_limit_kills_a_busy_loop():
 
 
 def test_tests_passed_before_a_timeout_count():
-    result = _timed_run(DOUBLE, ["assert f(1) == 2", "while True:\n    pass", "assert f(2) == 4"])
+    # The CPU limit sits well above the wall clock, so the wall clock is what stops the loop (with both at 2 s the
+    # kernel's CPU limit could fire first and the run ended "killed").
+    limits = SandboxLimits(timeout_s=1.5, cpu_time_s=4.0)
+    result = _timed_run(DOUBLE, ["assert f(1) == 2", "while True:\n    pass", "assert f(2) == 4"], limits)
     assert (result.passed, result.total, result.status) == (1, 3, "timeout")
 
 
