@@ -3,6 +3,7 @@
 Public API (DESIGN.md §3)::
 
     from grpo_fast import grpo_loss, GRPOLossConfig, group_advantages, fused_logprobs
+    from grpo_fast import shared_prefix_forward  # one prompt forward per group (imports transformers on first use)
 """
 
 from grpo_fast.advantages import group_advantages
@@ -23,4 +24,14 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "grpo_loss_from_logps",
+    "shared_prefix_forward",
 ]
+
+
+def __getattr__(name: str):
+    # shared_prefix_forward needs the trainer's forward helpers; importing them lazily keeps `import grpo_fast` light
+    if name == "shared_prefix_forward":
+        from grpo_fast.train.shared_prefix import shared_prefix_forward
+
+        return shared_prefix_forward
+    raise AttributeError(f"module 'grpo_fast' has no attribute {name!r}")

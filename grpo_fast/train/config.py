@@ -85,6 +85,9 @@ class TrainConfig:
     generation_prompts: int = _f(0, "prompts sampled at once (their groups' KV caches bound generation memory; "
                                  "0: all prompts_per_step together)")
     micro_batch_size: int = _f(64, "completions per forward/backward; the generation's rows are accumulated")
+    shared_prefix: str = _f("auto", "run each group's prompt once per training forward (grpo_fast.shared_prefix_"
+                            "forward): auto (when it cuts the tokens through the model by >= 1.3x and the model and "
+                            "micro_batch_size allow it; otherwise one warning), on (an error when it cannot), off")
     max_new_tokens: int = _f(4, "longest completion; sampling stops earlier at EOS")
     temperature: float = _f(1.0, "sampling temperature (the loss uses the same)")
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
@@ -126,6 +129,7 @@ class TrainConfig:
         choices = {
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "impl": ("auto", "torch", "triton", "reference"),
+            "shared_prefix": ("auto", "on", "off"),
             "scale_rewards": ("group", "batch", "none"),
             "lr_schedule": ("constant", "linear", "cosine"),
         }
@@ -142,6 +146,9 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"TrainConfig.{name} must be an int >= 0, got {value!r}")
+        if self.shared_prefix == "on" and self.micro_batch_size % self.group_size:
+            raise ValueError(f"TrainConfig.shared_prefix 'on' needs whole groups in every micro-batch: micro_batch_size "
+                             f"must be a multiple of group_size {self.group_size}, got {self.micro_batch_size}")
         if self.group_size < 2:
             raise ValueError(f"TrainConfig.group_size must be >= 2 (advantages compare a group's completions), "
                              f"got {self.group_size}")

@@ -20,6 +20,8 @@ import torch
 from grpo_fast import fused_logprobs, group_advantages, grpo_loss
 from grpo_fast.config import GRPOLossConfig, LossType
 from grpo_fast.dispatch import resolve_impl
+from grpo_fast.train.shared_prefix import enable as enable_shared_prefix
+from grpo_fast.train.shared_prefix import shared_prefix_forward, token_counts, unsupported_reason
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.data import PromptSampler, load_records, render_prompt
@@ -43,6 +45,7 @@ logger = logging.getLogger("grpo_fast.train")
 # loss types whose reduction is a sum over tokens divided by num_items_in_batch (DESIGN.md §4)
 TOKEN_SUM_LOSSES = (LossType.DAPO, LossType.CISPO, LossType.VESPO)
 TINY_LR, MODEL_LR = 5e-4, 1e-6
+SHARED_PREFIX_MIN_SAVING = 1.3  # auto mode shares the prompt when it cuts the tokens through the model this much
 
 
 # ------------------------------------------------------------------------------------------------ set-up
@@ -66,6 +69,8 @@ class Run:
     eval_records: list[dict]
     device: torch.device
     dtype: torch.dtype  # the compute dtype (autocast); trained parameters stay float32
+    shared_prefix_ok: bool = False  # the model and options allow the shared-prefix forward
+    shared_prefix_active: bool = False  # this step's training forwards use it
     step: int = 0
     skipped_updates: int = 0
 
@@ -118,6 +123,7 @@ def setup(config: TrainConfig) -> Run:
         model = attach_lora(model, config)  # the reference is the base with the adapters disabled
     elif config.loss.beta != 0.0:
         ref_model = frozen_copy(model, dtype)
+    shared_ok = shared_prefix_allowed(config, [m for m in (model, ref_model) if m is not None])
     head = head_of(model)
     loss_config = dataclasses.replace(
         config.loss, temperature=config.temperature, softcap=head.softcap, max_completion_length=config.max_new_tokens
@@ -136,16 +142,37 @@ def setup(config: TrainConfig) -> Run:
     n_train = sum(p.numel() for p in params)
     logger.info(
         "model %s: %s, %.2fM parameters (%.2fM trained, float32 master weights), compute %s on %s (%d CPU threads); "
-        "fused-loss kernel path: %s; reference model: %s; rewards: %s; %d training prompts, %d held-out",
+        "fused-loss kernel path: %s; shared-prefix forward: %s; reference model: %s; rewards: %s; %d training "
+        "prompts, %d held-out",
         config.model, type(unwrap(model)).__name__, n_params / 1e6, n_train / 1e6, dtype, device,
-        torch.get_num_threads(), impl,
+        torch.get_num_threads(), impl, ("off" if not shared_ok else "on" if config.shared_prefix == "on"
+                                        else f"auto (when it saves >= {SHARED_PREFIX_MIN_SAVING}x tokens)"),
         "adapters disabled" if config.lora_r else ("frozen copy" if ref_model is not None else "none (beta=0)"),
         ", ".join(reward_name(f) for f in reward_funcs), len(train_records), len(eval_records),
     )
     return Run(config=config, model=model, ref_model=ref_model, tokenizer=tokenizer, optimizer=optimizer,
                scheduler=scheduler, sampler=sampler, generator=generator, reward_funcs=reward_funcs,
                reward_weights=torch.tensor(weights, dtype=torch.float32), loss_config=loss_config,
-               eval_records=eval_records, device=device, dtype=dtype)
+               eval_records=eval_records, device=device, dtype=dtype, shared_prefix_ok=shared_ok)
+
+
+def shared_prefix_allowed(config: TrainConfig, models: list) -> bool:
+    """Whether the training forwards may share each group's prompt; switches the models' attention to the wrapping
+    implementation when they may. ``auto`` falls back with one warning, ``on`` raises, when they may not."""
+    if config.shared_prefix == "off":
+        return False
+    reason = unsupported_reason(models[0])
+    if reason is None and config.micro_batch_size % config.group_size:
+        reason = (f"micro_batch_size {config.micro_batch_size} is not a multiple of group_size {config.group_size} "
+                  f"(a micro-batch must hold whole groups)")
+    if reason is not None:
+        if config.shared_prefix == "on":
+            raise ValueError(f"TrainConfig.shared_prefix is 'on' but {reason}")
+        logger.warning("shared-prefix forward off: %s", reason)
+        return False
+    for model in models:
+        enable_shared_prefix(model)
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ the steps
@@ -216,12 +243,38 @@ def micro_batches(rollout_: Rollout, size: int):
         yield rows, slice(p0, None), slice(0, t1)
 
 
+def plan_shared_prefix(run: Run, ro: Rollout) -> dict:
+    """Decide whether this step's training forwards share the prompts, from the tokens each option puts through the
+    model (padded micro-batch shapes); log when the decision changes. Returns the step's token metrics."""
+    cfg = run.config
+    unshared = shared = 0
+    for rows, pcols, tcols in micro_batches(ro, cfg.micro_batch_size):
+        n = ro.completion_ids[rows].shape[0]
+        P, T = ro.prompt_ids[rows, pcols].shape[1], ro.completion_ids[rows, tcols].shape[1]
+        u, s = token_counts(P, T, n // cfg.group_size, cfg.group_size)
+        unshared, shared = unshared + u, shared + s
+    saving = unshared / shared
+    active = run.shared_prefix_ok and (cfg.shared_prefix == "on" or saving >= SHARED_PREFIX_MIN_SAVING)
+    if active != run.shared_prefix_active or run.step == 0:
+        logger.info("shared-prefix forward %s at step %d: %d tokens per training forward instead of %d (%.2fx%s)",
+                    "on" if active else "off", run.step + 1, shared if active else unshared, unshared, saving,
+                    "" if run.shared_prefix_ok else "; shared_prefix=off" if cfg.shared_prefix == "off"
+                    else "; not possible for this model or options")
+    run.shared_prefix_active = active
+    return {"forward_tokens": float(shared if active else unshared), "prefix_saving": saving if active else 1.0}
+
+
 def hidden_and_head(run: Run, model, ro: Rollout, rows, pcols, tcols):
     """The micro-batch's completion hidden states and the lm_head, both in the compute dtype (the weight's cast is
     differentiable: its gradient reaches the float32 master weight)."""
+    args = (ro.prompt_ids[rows, pcols], ro.prompt_mask[rows, pcols], ro.completion_ids[rows, tcols],
+            ro.completion_mask[rows, tcols])
     with autocast(run.device, run.dtype):
-        hidden = completion_hidden(model, ro.prompt_ids[rows, pcols], ro.prompt_mask[rows, pcols],
-                                   ro.completion_ids[rows, tcols], ro.completion_mask[rows, tcols])
+        if run.shared_prefix_active:  # micro-batches hold whole groups: one prompt row per group
+            G = run.config.group_size
+            hidden = shared_prefix_forward(model, args[0][::G], args[1][::G], *args[2:], group_size=G)
+        else:
+            hidden = completion_hidden(model, *args)
     head = head_of(model)
     bias = None if head.bias is None else head.bias.to(run.dtype)
     return hidden.to(run.dtype), head.weight.to(run.dtype), bias, head.softcap
@@ -370,6 +423,7 @@ def train_step(run: Run) -> dict:
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
     ro, completions = rollout(run, records, cfg.group_size, params)
     t_gen = time.perf_counter() - t0
+    token_metrics = plan_shared_prefix(run, ro)
     rewards = score(run, records, completions, cfg.group_size)
     adv = group_advantages(rewards.to(run.device), group_size=cfg.group_size, scale=cfg.scale_rewards,
                            reward_weights=run.reward_weights.to(run.device))
@@ -393,6 +447,7 @@ def train_step(run: Run) -> dict:
         "completion_length": float(ro.completion_lengths.float().mean()),
         "lr": lr,
         **sums,
+        **token_metrics,
         "skipped_updates": run.skipped_updates,
         "time_generate_s": t_gen,
         "time_step_s": time.perf_counter() - t0,
@@ -421,7 +476,8 @@ def save_checkpoint(run: Run, directory: Path) -> Path:
 
 # options a resumed run may change; any other difference from the checkpoint's config is refused
 RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "keep_checkpoints", "resume",
-                     "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl"}
+                     "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl",
+                     "shared_prefix"}
 
 
 def load_checkpoint(run: Run, directory: Path) -> bool:
