@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 TRAIN_DESCRIPTION = """\
@@ -40,6 +41,7 @@ _INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, Impo
 def _train(args: argparse.Namespace) -> int:
     from grpo_fast.train import build_config, fit, prepare
     from grpo_fast.train.config import read_config_file
+    from grpo_fast.train.distributed import shutdown
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
@@ -48,7 +50,10 @@ def _train(args: argparse.Namespace) -> int:
     except _INPUT_ERRORS as e:  # a one-line message that names the option; errors later keep their traceback
         print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
-    print(fit(prepared).line())
+    summary = fit(prepared)
+    if prepared.run.world.is_main:
+        print(summary.line())
+    shutdown(prepared.run.world)
     return 0
 
 
@@ -57,7 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 logs below warnings
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
+                        format="%(asctime)s %(name)s: %(message)s" if "RANK" not in os.environ
+                        else f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
     return _train(args)
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from train_helpers import HERE, small_config
+from train_helpers import HERE, save_local_model, small_config
 
 from grpo_fast.config import LossType
 from grpo_fast.train import train
@@ -136,7 +136,7 @@ def test_mu_updates_start_at_ratio_one_then_clip(tmp_path):
 
     run, ro, adv = _one_generation(tmp_path, lr=0.05, **{"loss.loss_type": "grpo", "loss.epsilon": "0.01"})
     adv = torch.linspace(-1, 1, adv.shape[0])
-    old = logprobs_of(run, run.model, ro)
+    old = logprobs_of(run, run.policy, ro)
     first = policy_update(run, ro, adv, old, None)
     second = policy_update(run, ro, adv, old, None)
     assert first["clip_ratio_region"] == 0.0 and second["clip_ratio_region"] > 0.0
@@ -183,37 +183,12 @@ def test_unscored_rows_and_user_rewards_by_path(tmp_path):
     assert torch.isnan(rewards[1::2, 0]).all() and (rewards[:, 1] == 0.5).all()
 
 
-def _save_local_model(directory, arch: str, chat_template: str | None, weights: bool = True):
-    """A tiny model of ``arch`` saved as a transformers directory (what a user passes as --model PATH)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from grpo_fast.train.tasks import tiny_model, tiny_tokenizer
-
-    tok = tiny_tokenizer()
-    if chat_template:
-        tok.chat_template = chat_template
-    if arch == "llama":
-        config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config)
-    else:
-        model = tiny_model(tok, seed=0)
-    if weights:
-        model.save_pretrained(directory)
-    else:
-        model.config.save_pretrained(directory)
-    tok.save_pretrained(directory)
-    return str(directory)
-
-
 @pytest.mark.parametrize("arch, template, weights", [
     ("llama", None, False),  # a config.json only: built with random weights
     ("qwen2", "{% for m in messages %}{{ m['content'] }}{% endfor %}", True),
 ])
 def test_local_model_directory_and_jsonl_dataset(tmp_path, arch, template, weights):
-    model_dir = _save_local_model(tmp_path / "model", arch, template, weights)
+    model_dir = save_local_model(tmp_path / "model", arch, template, weights)
     data = tmp_path / "train.jsonl"
     rows = [{"prompt": f"max {a} {b}=", "answer": str(max(a, b))} for a in range(5) for b in range(5)]
     data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from grpo_fast.train import TrainConfig, build_config
 
 HERE = Path(__file__).parent
+REPO = HERE.parent
 
 
 def small_config(tmp_path, **overrides) -> TrainConfig:
@@ -43,3 +46,28 @@ GOLDEN_PATH = HERE / "golden" / "train_tiny.json"
 GOLDEN_OVERRIDES = dict(steps=5, prompts_per_step=4, group_size=8, mu=2, seed=7, **{"loss.beta": "0.04",
                         "loss.loss_type": "grpo"})
 GOLDEN_KEYS = ("loss", "reward", "kl", "entropy", "grad_norm", "clip_ratio_region", "completion_length")
+
+
+def save_local_model(directory, arch: str, chat_template: str | None, weights: bool = True):
+    """A tiny model of ``arch`` saved as a transformers directory (what a user passes as --model PATH)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grpo_fast.train.tasks import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    if chat_template:
+        tok.chat_template = chat_template
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    else:
+        model = tiny_model(tok, seed=0)
+    if weights:
+        model.save_pretrained(directory)
+    else:
+        model.config.save_pretrained(directory)
+    tok.save_pretrained(directory)
+    return str(directory)

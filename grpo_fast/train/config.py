@@ -63,6 +63,8 @@ class TrainConfig:
     lora_alpha: int = _f(16, "LoRA alpha")
     lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
     gradient_checkpointing: bool = _f(False, "recompute decoder activations in the backward to save memory")
+    distributed: str = _f("ddp", "under torchrun (WORLD_SIZE > 1): ddp (a replica per process) or fsdp2 (parameters, "
+                          "gradients and optimizer states sharded with torch's fully_shard); ignored in one process")
     # data
     dataset: str = _f("builtin:digits", "builtin:NAME (digits, max) or a local .jsonl/.json/.parquet file with a "
                       "prompt column plus the columns the rewards need (answer, tests)")
@@ -130,6 +132,7 @@ class TrainConfig:
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "impl": ("auto", "torch", "triton", "reference"),
             "shared_prefix": ("auto", "on", "off"),
+            "distributed": ("ddp", "fsdp2"),
             "scale_rewards": ("group", "batch", "none"),
             "lr_schedule": ("constant", "linear", "cosine"),
         }

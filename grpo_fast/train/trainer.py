@@ -23,6 +23,7 @@ from grpo_fast.dispatch import resolve_impl
 from grpo_fast.train.shared_prefix import enable as enable_shared_prefix
 from grpo_fast.train.shared_prefix import shared_prefix_forward, token_counts, unsupported_reason
 from grpo_fast.train import checkpoint as ckpt
+from grpo_fast.train import distributed as dist_
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.data import PromptSampler, load_records, render_prompt
 from grpo_fast.train.forward import completion_hidden, head_of, unwrap
@@ -62,13 +63,15 @@ class Run:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: PromptSampler
-    generator: torch.Generator
     reward_funcs: list
     reward_weights: torch.Tensor
     loss_config: GRPOLossConfig
     eval_records: list[dict]
     device: torch.device
     dtype: torch.dtype  # the compute dtype (autocast); trained parameters stay float32
+    world: dist_.World = dist_.World()
+    policy: torch.nn.Module | None = None  # what every pass calls: PolicyForward(model), under DDP/FSDP2 if distributed
+    ref_policy: torch.nn.Module | None = None
     shared_prefix_ok: bool = False  # the model and options allow the shared-prefix forward
     shared_prefix_active: bool = False  # this step's training forwards use it
     step: int = 0
@@ -108,8 +111,15 @@ def lr_lambda(config: TrainConfig, total_updates: int):
 
 
 def setup(config: TrainConfig) -> Run:
-    device = resolve_device(config.device)
+    device = dist_.local_device(resolve_device(config.device))
     dtype = resolve_dtype(config.dtype, device)
+    world = dist_.init(config.distributed, device)
+    if config.prompts_per_step % world.size:
+        raise ValueError(f"TrainConfig.prompts_per_step must be a multiple of the {world.size} processes (each rank "
+                         f"takes whole groups), got {config.prompts_per_step}")
+    if world.strategy == "fsdp2" and config.lora_r:
+        raise ValueError("TrainConfig.lora_r: LoRA under FSDP2 is not supported; use --distributed ddp (LoRA's "
+                         f"adapters are small enough to replicate), got lora_r={config.lora_r}")
     threads = config.threads or (1 if config.model == "tiny" else None)
     if threads:
         torch.set_num_threads(threads)
@@ -124,6 +134,8 @@ def setup(config: TrainConfig) -> Run:
     elif config.loss.beta != 0.0:
         ref_model = frozen_copy(model, dtype)
     shared_ok = shared_prefix_allowed(config, [m for m in (model, ref_model) if m is not None])
+    policy = dist_.wrap(model, world, device)  # FSDP2 shards the parameters here: the optimizer comes after
+    ref_policy = None if ref_model is None else dist_.wrap(ref_model, world, device, trainable=False)
     head = head_of(model)
     loss_config = dataclasses.replace(
         config.loss, temperature=config.temperature, softcap=head.softcap, max_completion_length=config.max_new_tokens
@@ -135,25 +147,26 @@ def setup(config: TrainConfig) -> Run:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(config.adam_betas), weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, config.steps * config.mu))
-    generator = torch.Generator(device=device).manual_seed(config.seed)
     sampler = PromptSampler(train_records, config.prompts_per_step, seed=config.seed)
     impl = resolve_impl(config.impl, device, "grpo_loss", dtype)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in model.parameters())  # (under FSDP2 the DTensors' global sizes)
     n_train = sum(p.numel() for p in params)
     logger.info(
-        "model %s: %s, %.2fM parameters (%.2fM trained, float32 master weights), compute %s on %s (%d CPU threads); "
+        "model %s: %s, %.2fM parameters (%.2fM trained, float32 master weights), compute %s on %s (%d CPU threads%s); "
         "fused-loss kernel path: %s; shared-prefix forward: %s; reference model: %s; rewards: %s; %d training "
         "prompts, %d held-out",
         config.model, type(unwrap(model)).__name__, n_params / 1e6, n_train / 1e6, dtype, device,
-        torch.get_num_threads(), impl, ("off" if not shared_ok else "on" if config.shared_prefix == "on"
+        torch.get_num_threads(), f"; {world.size} processes, {world.strategy}" if world.distributed else "",
+        impl, ("off" if not shared_ok else "on" if config.shared_prefix == "on"
                                         else f"auto (when it saves >= {SHARED_PREFIX_MIN_SAVING}x tokens)"),
         "adapters disabled" if config.lora_r else ("frozen copy" if ref_model is not None else "none (beta=0)"),
         ", ".join(reward_name(f) for f in reward_funcs), len(train_records), len(eval_records),
     )
     return Run(config=config, model=model, ref_model=ref_model, tokenizer=tokenizer, optimizer=optimizer,
-               scheduler=scheduler, sampler=sampler, generator=generator, reward_funcs=reward_funcs,
+               scheduler=scheduler, sampler=sampler, reward_funcs=reward_funcs,
                reward_weights=torch.tensor(weights, dtype=torch.float32), loss_config=loss_config,
-               eval_records=eval_records, device=device, dtype=dtype, shared_prefix_ok=shared_ok)
+               eval_records=eval_records, device=device, dtype=dtype, world=world, policy=policy,
+               ref_policy=ref_policy, shared_prefix_ok=shared_ok)
 
 
 def shared_prefix_allowed(config: TrainConfig, models: list) -> bool:
@@ -201,17 +214,26 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted({i for i in ids if i is not None})
 
 
-def rollout(run: Run, records: list[dict], group_size: int, params: SamplingParams) -> tuple[Rollout, list[str]]:
+def sampling_generator(run: Run, chunk_index: int) -> torch.Generator:
+    """The sampling RNG of one prompt chunk: seeded by (seed, step, chunk), so a resumed run or a run on another
+    number of processes samples the same completions for the same prompts."""
+    seed = (run.config.seed * 1_000_003 + run.step) * 1_000_033 + chunk_index
+    return torch.Generator(device=run.device).manual_seed(seed % (2**63))
+
+
+def rollout(run: Run, records: list[dict], group_size: int, params: SamplingParams,
+            first_chunk: int = 0) -> tuple[Rollout, list[str]]:
     """Samples ``group_size`` completions per record, ``generation_prompts`` prompts at a time (their KV caches are
-    what bounds generation memory)."""
+    what bounds generation memory); chunk ``i`` samples with ``sampling_generator(first_chunk + i)``."""
     chunk = run.config.generation_prompts or len(records)
     eos = eos_token_ids(run.model, run.tokenizer)
     parts = []
-    for start in range(0, len(records), chunk):
+    for i, start in enumerate(range(0, len(records), chunk)):
         prompt_ids, prompt_mask = encode_prompts(run, records[start : start + chunk])
-        with autocast(run.device, run.dtype):
-            parts.append(generate(run.model, prompt_ids, prompt_mask, group_size, params, eos_token_id=eos,
-                                  pad_token_id=run.tokenizer.pad_token_id, generator=run.generator))
+        with torch.no_grad(), autocast(run.device, run.dtype):  # no_grad outside DDP's forward: no backward follows
+            parts.append(run.policy(generate, prompt_ids, prompt_mask, group_size, params, eos_token_id=eos,
+                                    pad_token_id=run.tokenizer.pad_token_id,
+                                    generator=sampling_generator(run, first_chunk + i)))
     result = concat_rollouts(parts, run.tokenizer.pad_token_id)
     completions = run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
     return result, completions
@@ -253,11 +275,12 @@ def plan_shared_prefix(run: Run, ro: Rollout) -> dict:
         P, T = ro.prompt_ids[rows, pcols].shape[1], ro.completion_ids[rows, tcols].shape[1]
         u, s = token_counts(P, T, n // cfg.group_size, cfg.group_size)
         unshared, shared = unshared + u, shared + s
+    unshared, shared = dist_.sum_across([unshared, shared], run.world, run.device)  # one decision on every rank
     saving = unshared / shared
     active = run.shared_prefix_ok and (cfg.shared_prefix == "on" or saving >= SHARED_PREFIX_MIN_SAVING)
     if active != run.shared_prefix_active or run.step == 0:
         logger.info("shared-prefix forward %s at step %d: %d tokens per training forward instead of %d (%.2fx%s)",
-                    "on" if active else "off", run.step + 1, shared if active else unshared, unshared, saving,
+                    "on" if active else "off", run.step + 1, int(shared if active else unshared), int(unshared), saving,
                     "" if run.shared_prefix_ok else "; shared_prefix=off" if cfg.shared_prefix == "off"
                     else "; not possible for this model or options")
     run.shared_prefix_active = active
@@ -280,26 +303,35 @@ def hidden_and_head(run: Run, model, ro: Rollout, rows, pcols, tcols):
     return hidden.to(run.dtype), head.weight.to(run.dtype), bias, head.softcap
 
 
+def _micro_batch_logprobs(model, run: Run, ro: Rollout, rows, pcols, tcols) -> torch.Tensor | None:
+    hidden, weight, bias, softcap = hidden_and_head(run, model, ro, rows, pcols, tcols)
+    if not torch.isfinite(hidden).all():
+        return None
+    return fused_logprobs(hidden, weight, ro.completion_ids[rows, tcols], bias=bias,
+                          temperature=run.config.temperature, softcap=softcap, impl=run.config.impl).float()
+
+
 @torch.no_grad()
-def logprobs_of(run: Run, model, ro: Rollout) -> torch.Tensor | None:
-    """Per-token log-probs ``[N, T]`` of the sampled completions under ``model`` (old or reference policy); None
-    when the model's hidden states are not finite (the step is then skipped)."""
+def logprobs_of(run: Run, policy, ro: Rollout) -> torch.Tensor | None:
+    """Per-token log-probs ``[N, T]`` of the sampled completions under ``policy`` (old or reference); None when
+    the hidden states are not finite on any rank (every rank then skips the step)."""
     out = torch.zeros(ro.completion_ids.shape, dtype=torch.float32, device=run.device)
+    finite = True
     for rows, pcols, tcols in micro_batches(ro, run.config.micro_batch_size):
-        hidden, weight, bias, softcap = hidden_and_head(run, model, ro, rows, pcols, tcols)
-        if not torch.isfinite(hidden).all():
-            return None
-        out[rows, tcols] = fused_logprobs(hidden, weight, ro.completion_ids[rows, tcols], bias=bias,
-                                          temperature=run.config.temperature, softcap=softcap,
-                                          impl=run.config.impl).float()
-    return out
+        # every micro-batch runs even after a non-finite one: under FSDP2 all ranks must make the same forwards
+        logps = policy(_micro_batch_logprobs, run, ro, rows, pcols, tcols)
+        if logps is None:
+            finite = False
+        else:
+            out[rows, tcols] = logps
+    return out if dist_.all_true(finite, run.world, run.device) else None
 
 
 def reference_logprobs(run: Run, ro: Rollout) -> torch.Tensor | None:
-    if run.ref_model is not None:
-        return logprobs_of(run, run.ref_model, ro)
+    if run.ref_policy is not None:
+        return logprobs_of(run, run.ref_policy, ro)
     with run.model.disable_adapter():
-        return logprobs_of(run, run.model, ro)
+        return logprobs_of(run, run.policy, ro)
 
 
 def micro_batch_scale(loss_type: LossType, rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
@@ -324,62 +356,77 @@ def micro_batch_config(config: GRPOLossConfig, weight: float, token_share: float
     return dataclasses.replace(config, entropy_coef=config.entropy_coef * token_share / weight)
 
 
+def _micro_batch_loss(model, run: Run, ro: Rollout, rows, pcols, tcols, advantages, old_logps, ref_logps,
+                      total_rows: float, total_tokens: float):
+    """The micro-batch's weighted share of the generation's loss and its ``LossOutput``; runs inside the policy's
+    forward. Non-finite hidden states give a NaN loss that reaches every weight (and no output), so the gradients
+    turn non-finite on every rank together and all of them skip the update."""
+    hidden, weight, bias, _ = hidden_and_head(run, model, ro, rows, pcols, tcols)
+    if not torch.isfinite(hidden).all():
+        return (hidden.float().sum() + weight.float().sum()) * float("nan"), None, 0.0
+    mask = ro.completion_mask[rows, tcols]
+    tokens = float(mask.sum())
+    share = tokens / max(total_tokens, 1.0)  # the micro-batch's share of the generation's tokens
+    scale = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0], total_rows, tokens, total_tokens)
+    out = grpo_loss(
+        hidden, weight, ro.completion_ids[rows, tcols], advantages[rows], mask,
+        old_logps=None if old_logps is None else old_logps[rows, tcols],
+        ref_logps=None if ref_logps is None else ref_logps[rows, tcols],
+        num_items_in_batch=total_tokens, bias=bias, impl=run.config.impl,
+        config=micro_batch_config(run.loss_config, scale, share),
+    )
+    return out.loss * scale, out, share
+
+
 def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps) -> dict:
-    """One optimizer update over the whole generation (gradient accumulation over micro-batches).
+    """One optimizer update over the whole generation (gradient accumulation over micro-batches; in a distributed
+    run over every rank's micro-batches, the gradients reduced on the last one).
 
     A non-finite hidden state, loss or gradient norm skips the update: the gradients are dropped, the weights, the
     optimizer state and the schedule are not touched, and the skip is counted. Metrics are token-weighted means over
     the generation (the loss: the accumulated total); a skipped update reports only its NaN gradient norm.
     """
-    cfg, model = run.config, run.model
-    total_rows = ro.completion_ids.shape[0]
-    total_tokens = float(ro.completion_mask.sum())
+    cfg, world = run.config, run.world
+    total_rows, total_tokens = dist_.sum_across(
+        [float(ro.completion_ids.shape[0]), float(ro.completion_mask.sum())], world, run.device)
     run.optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     finite = True
     logp_gap = 0.0
-    for rows, pcols, tcols in micro_batches(ro, cfg.micro_batch_size):
-        hidden, weight, bias, _ = hidden_and_head(run, model, ro, rows, pcols, tcols)
-        if not torch.isfinite(hidden).all():
+    batches = list(micro_batches(ro, cfg.micro_batch_size))
+    for i, (rows, pcols, tcols) in enumerate(batches):
+        with dist_.gradient_sync(run.policy, sync=i == len(batches) - 1):
+            loss, out, share = run.policy(_micro_batch_loss, run, ro, rows, pcols, tcols, advantages, old_logps,
+                                          ref_logps, total_rows, total_tokens)
+            # every rank's loss is its part of the global loss; DDP and FSDP2 average gradients over the ranks
+            (loss * world.size).backward()
+        if out is None or not torch.isfinite(loss):
             finite = False
-            break
-        mask = ro.completion_mask[rows, tcols]
-        tokens = float(mask.sum())
-        share = tokens / max(total_tokens, 1.0)  # the micro-batch's share of the generation's tokens
-        scale = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0], total_rows, tokens, total_tokens)
-        out = grpo_loss(
-            hidden, weight, ro.completion_ids[rows, tcols], advantages[rows], mask,
-            old_logps=None if old_logps is None else old_logps[rows, tcols],
-            ref_logps=None if ref_logps is None else ref_logps[rows, tcols],
-            num_items_in_batch=total_tokens, bias=bias, impl=cfg.impl,
-            config=micro_batch_config(run.loss_config, scale, share),
-        )
-        loss = out.loss * scale
-        if not torch.isfinite(loss):
-            finite = False
-            break
-        loss.backward()
+            continue
         _accumulate(sums, "loss", float(loss.detach()))
         for name in ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region"):
             value = getattr(out, name)
             if value is not None:
                 _accumulate(sums, name, float(value) * share)
+        mask = ro.completion_mask[rows, tcols]
         logp_gap += float(((out.per_token_logps - ro.sampling_logps[rows, tcols]).abs() * mask).sum())
     grad_norm = float("nan")
-    if finite:
-        params = [p for p in model.parameters() if p.grad is not None]
+    if dist_.all_true(finite, world, run.device):
+        params = [p for p in run.model.parameters() if p.grad is not None]
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        finite = math.isfinite(grad_norm)
-    if not finite:  # like transformers' Trainer, a skipped update does not advance the schedule either
+        grad_norm = dist_.grad_norm(params, max_norm)
+    if not math.isfinite(grad_norm):  # like transformers' Trainer, a skipped update does not advance the schedule
         run.optimizer.zero_grad(set_to_none=True)
         _count_skip(run, "non-finite loss or gradient")
         return {"grad_norm": float("nan")}
     run.optimizer.step()
     run.scheduler.step()
+    names = sorted(sums)
+    sums = dict(zip(names, dist_.sum_across([sums[k] for k in names], world, run.device)))
     sums["grad_norm"] = grad_norm
     if old_logps is None:
-        sums["sampling_logp_gap"] = logp_gap / max(total_tokens, 1.0)
+        gap, = dist_.sum_across([logp_gap], world, run.device)
+        sums["sampling_logp_gap"] = gap / max(total_tokens, 1.0)
     return sums
 
 
@@ -404,13 +451,18 @@ def evaluate(run: Run) -> float | None:
     if not run.eval_records:
         return None
     params = SamplingParams(max_new_tokens=run.config.max_new_tokens, temperature=0.0)
+    world = run.world
+    mine = run.eval_records[world.rank :: world.size]  # greedy: any split gives the same completions
     total = 0.0
     chunk = max(1, run.config.micro_batch_size)
-    for start in range(0, len(run.eval_records), chunk):
-        records = run.eval_records[start : start + chunk]
+    # every rank makes the same number of generation calls (FSDP2 gathers weights in each); surplus calls are empty
+    calls = math.ceil(math.ceil(len(run.eval_records) / world.size) / chunk)
+    for i in range(calls):
+        records = mine[i * chunk : (i + 1) * chunk] or mine[:1]
         _, completions = rollout(run, records, 1, params)
-        rewards = score(run, records, completions, 1)
-        total += float(weighted_reward(run, rewards).sum())
+        if mine[i * chunk : (i + 1) * chunk]:
+            total += float(weighted_reward(run, score(run, records, completions, 1)).sum())
+    total, = dist_.sum_across([total], world, run.device)
     return total / len(run.eval_records)
 
 
@@ -419,32 +471,39 @@ def train_step(run: Run) -> dict:
     cfg = run.config
     t0 = time.perf_counter()
     lr = run.scheduler.get_last_lr()[0]
-    records = run.sampler.next_batch()
+    world = run.world
+    records = dist_.shard(run.sampler.next_batch(), world)  # whole groups per rank
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
-    ro, completions = rollout(run, records, cfg.group_size, params)
+    chunk = cfg.generation_prompts or len(records)
+    ro, completions = rollout(run, records, cfg.group_size, params,
+                              first_chunk=world.rank * math.ceil(len(records) / chunk))
     t_gen = time.perf_counter() - t0
     token_metrics = plan_shared_prefix(run, ro)
-    rewards = score(run, records, completions, cfg.group_size)
-    adv = group_advantages(rewards.to(run.device), group_size=cfg.group_size, scale=cfg.scale_rewards,
+    # advantages and reward metrics on the global batch (batch scaling needs it), identical on every rank
+    rewards = dist_.gather_rows(score(run, records, completions, cfg.group_size).to(run.device), world)
+    adv = group_advantages(rewards, group_size=cfg.group_size, scale=cfg.scale_rewards,
                            reward_weights=run.reward_weights.to(run.device))
-    old_logps = logprobs_of(run, run.model, ro) if cfg.mu > 1 else None
+    n_local = ro.completion_ids.shape[0]
+    advantages = adv.advantages[world.rank * n_local : (world.rank + 1) * n_local]
+    old_logps = logprobs_of(run, run.policy, ro) if cfg.mu > 1 else None
     ref_logps = reference_logprobs(run, ro) if run.loss_config.beta != 0.0 else None
     sums: dict[str, float] = {}
     if (cfg.mu > 1 and old_logps is None) or (run.loss_config.beta != 0.0 and ref_logps is None):
         _count_skip(run, "non-finite hidden states in the old or reference pass")
     else:
         for _ in range(cfg.mu):
-            for k, v in policy_update(run, ro, adv.advantages, old_logps, ref_logps).items():
+            for k, v in policy_update(run, ro, advantages, old_logps, ref_logps).items():
                 _accumulate(sums, k, v / cfg.mu)
     run.step += 1
-    combined = weighted_reward(run, rewards)
+    combined = weighted_reward(run, rewards.cpu())
+    length_sum, rows = dist_.sum_across([float(ro.completion_lengths.sum()), float(n_local)], world, run.device)
     return {
         "step": run.step,
         "reward": float(combined.mean()),
         "reward_std": float(combined.view(-1, cfg.group_size).std(dim=1).mean()),  # TRL's: mean of group stds
         **{f"rewards/{reward_name(f)}": float(torch.nanmean(rewards[:, k])) for k, f in enumerate(run.reward_funcs)},
         "frac_zero_std": float(adv.zero_std.float().mean()),
-        "completion_length": float(ro.completion_lengths.float().mean()),
+        "completion_length": length_sum / rows,
         "lr": lr,
         **sums,
         **token_metrics,
@@ -458,19 +517,29 @@ def train_step(run: Run) -> dict:
 
 
 def save_checkpoint(run: Run, directory: Path) -> Path:
-    state = {
+    """Model, optimizer, schedule, sampler position, RNG states and step; a directory of shards under FSDP2, one
+    file otherwise (written by rank 0: DDP replicas are identical, which this checks first)."""
+    world = run.world
+    trainer_state = {
         "step": run.step,
         "skipped_updates": run.skipped_updates,
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
         "scheduler": run.scheduler.state_dict(),
         "sampler": run.sampler.state_dict(),
-        "rng": ckpt.rng_state(run.generator),
+        "rng": ckpt.rng_state(),
         "config": run.config.to_dict(),
     }
-    path = ckpt.checkpoint_path(directory, run.step)
-    ckpt.save_atomic(state, path)
-    ckpt.prune(directory, run.config.keep_checkpoints)
+    sharded = world.strategy == "fsdp2"
+    path = ckpt.checkpoint_path(directory, run.step, sharded=sharded)
+    if sharded:
+        ckpt.save_sharded(run.model, run.optimizer, trainer_state, path, world.is_main, lambda: dist_.barrier(world))
+    else:
+        dist_.check_replicas(run.model, world)
+        if world.is_main:
+            ckpt.save_atomic({**trainer_state, "model": run.model.state_dict(),
+                              "optimizer": run.optimizer.state_dict()}, path)
+    if world.is_main:
+        ckpt.prune(directory, run.config.keep_checkpoints)
+    dist_.barrier(world)
     return path
 
 
@@ -481,27 +550,37 @@ RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "k
 
 
 def load_checkpoint(run: Run, directory: Path) -> bool:
-    stale = ckpt.remove_stale_temporaries(directory)
-    if stale:
-        logger.warning("removed %d partial checkpoint file(s) left by an interrupted save", len(stale))
+    world = run.world
+    if world.is_main:
+        stale = ckpt.remove_stale_temporaries(directory)
+        if stale:
+            logger.warning("removed %d partial checkpoint(s) left by an interrupted save", len(stale))
+    dist_.barrier(world)
     found = ckpt.list_checkpoints(directory)
     if not found:
         logger.info("resume: no checkpoint in %s, starting from step 0", directory)
         return False
     step, path = found[-1]
+    sharded = path.suffix == ".dcp"
+    if sharded != (world.strategy == "fsdp2"):
+        raise ValueError(f"--resume: {path} was written {'under' if sharded else 'without'} FSDP2; resume it "
+                         f"{'under torchrun with --distributed fsdp2' if sharded else 'without FSDP2'}")
     # on the CPU first: RNG states must stay CPU byte tensors; load_state_dict moves the rest where it belongs
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path / ckpt.TRAINER_STATE if sharded else path, map_location="cpu", weights_only=False)
     saved, now = state["config"], run.config.to_dict()
     changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
     if changed:
         diff = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
         raise ValueError(f"--resume: {path} was written by a run with other options ({diff}); resume with the same "
                          f"options (only {', '.join(sorted(RESUMABLE_CHANGES))} may change) or start a new run")
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    if sharded:
+        ckpt.load_sharded(run.model, run.optimizer, path)
+    else:
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
     run.sampler.load_state_dict(state["sampler"])
-    ckpt.set_rng_state(state["rng"], run.generator)
+    ckpt.set_rng_state(state["rng"])
     run.step, run.skipped_updates = state["step"], state["skipped_updates"]
     logger.info("resumed from %s (step %d)", path, step)
     return True
@@ -543,19 +622,25 @@ def prepare(config: TrainConfig) -> Prepared:
     ckpt_dir = out_dir / "checkpoints"
     _check_output_dir(config, out_dir, ckpt_dir)
     run = setup(config)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if config.overwrite and not config.resume:
-        for _, path in ckpt.list_checkpoints(ckpt_dir):
-            path.unlink()
+    main = run.world.is_main  # only rank 0 writes the metrics, the config and single-file checkpoints
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if config.overwrite and not config.resume:
+            for _, path in ckpt.list_checkpoints(ckpt_dir):
+                ckpt.remove(path)
+    dist_.barrier(run.world)
     resumed = config.resume and load_checkpoint(run, ckpt_dir)
     resolved = config.to_dict()
-    (out_dir / "config.json").write_text(json.dumps(resolved, indent=2))
-    log = MetricsLog(out_dir / "metrics.jsonl", truncate_after=run.step if resumed else 0)
+    log = None
+    if main:
+        (out_dir / "config.json").write_text(json.dumps(resolved, indent=2))
+        log = MetricsLog(out_dir / "metrics.jsonl", truncate_after=run.step if resumed else 0)
     if resumed:
-        eval_before = log.header.get("eval_before")
+        eval_before = log.header.get("eval_before") if main else None
     else:
         eval_before = evaluate(run)
-        log.write_header({"eval_before": eval_before, "config": resolved})
+        if main:
+            log.write_header({"eval_before": eval_before, "config": resolved})
     return Prepared(run, log, eval_before, out_dir, started)
 
 
@@ -563,11 +648,12 @@ def fit(prepared: Prepared) -> Summary:
     """The loop: steps up to ``config.steps``, checkpoints, the after-evaluation and the plot."""
     run, log, config = prepared.run, prepared.log, prepared.run.config
     ckpt_dir = prepared.out_dir / "checkpoints"
-    bar = _progress(config, run.step)
+    main = run.world.is_main
+    bar = _progress(config, run.step, enabled=main)
     try:
         while run.step < config.steps:
             metrics = train_step(run)
-            if run.step % config.log_every == 0 or run.step == config.steps:
+            if main and (run.step % config.log_every == 0 or run.step == config.steps):
                 log.write(metrics)
             bar.set_postfix(_postfix(metrics), refresh=False)
             bar.update(1)
@@ -577,9 +663,10 @@ def fit(prepared: Prepared) -> Summary:
         bar.close()
     save_checkpoint(run, ckpt_dir)
     eval_after = evaluate(run)
-    log.write_footer({"eval_after": eval_after})
-    if config.plot:
-        plot_metrics(prepared.out_dir / "metrics.jsonl", prepared.out_dir / "reward_kl.png")
+    if main:
+        log.write_footer({"eval_after": eval_after})
+        if config.plot:
+            plot_metrics(prepared.out_dir / "metrics.jsonl", prepared.out_dir / "reward_kl.png")
     return Summary(run.step, prepared.eval_before, eval_after, run.skipped_updates, prepared.out_dir,
                    time.perf_counter() - prepared.started)
 
@@ -600,11 +687,11 @@ def _check_output_dir(config: TrainConfig, out_dir: Path, ckpt_dir: Path) -> Non
         )
 
 
-def _progress(config: TrainConfig, initial: int):
+def _progress(config: TrainConfig, initial: int, enabled: bool = True):
     from tqdm.auto import tqdm
 
-    return tqdm(total=config.steps, initial=initial, disable=not config.progress, desc="grpo-fast", unit="step",
-                dynamic_ncols=True)
+    return tqdm(total=config.steps, initial=initial, disable=not (config.progress and enabled), desc="grpo-fast",
+                unit="step", dynamic_ncols=True)
 
 
 def _postfix(m: dict) -> dict:
