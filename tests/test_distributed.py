@@ -96,6 +96,14 @@ def test_fsdp2_untied_lm_head_equals_one_process(tmp_path):
     _assert_same(_parameters(tmp_path / "two", 2), _parameters(tmp_path / "one", 2))
 
 
+def test_ddp_with_lora_equals_one_process(tmp_path):
+    pytest.importorskip("peft")
+    lora = ("--steps", "2", "--lora-r", "4", "--lora-target-modules", "q_proj,v_proj")  # reference: adapters off
+    _train(tmp_path / "one", 1, *lora)
+    _train(tmp_path / "two", 2, *lora, "--distributed", "ddp")
+    _assert_same(_parameters(tmp_path / "two", 2), _parameters(tmp_path / "one", 2))
+
+
 def test_fsdp2_checkpoint_resumes_to_the_same_parameters(tmp_path, one_process):
     out = tmp_path / "run"
     _train(out, 2, "--steps", "2", "--distributed", "fsdp2")
