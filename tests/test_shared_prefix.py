@@ -366,3 +366,31 @@ def test_on_mode_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ValueError, match="TrainConfig.shared_prefix is 'on' but attention implementation 'eager'"):
         shared_prefix_allowed(small_config(tmp_path, shared_prefix="on"), [eager])
     assert shared_prefix_allowed(small_config(tmp_path), [eager]) is False  # auto: the warning, then unshared
+
+
+# ------------------------------------------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_cuda_bfloat16_within_the_tolerance_rule(monkeypatch, backend):
+    """On the GPU in bfloat16, both backends (FlexAttention compiled, with its CUDA backward): hidden states and the
+    lm_head and embedding gradients against the float64 unshared forward, by the tolerance rule."""
+    monkeypatch.undo()  # transformers' own norms, as users run them
+    data = [x.cuda() for x in batch(B=4, G=8, P=40, T=24)]
+    mask = data[3].bool()
+    advantages = torch.linspace(-1, 1, 32, device="cuda")
+
+    def run(dtype, shared):
+        model = build("qwen2", dtype).cuda()
+        h = (shared_prefix_forward(model, *data, group_size=8, backend=backend) if shared
+             else unshared(model, *data, 8))
+        _, grads = loss_and_grads(model, h, data[2], data[3], advantages.to(dtype))
+        return h, grads
+
+    h_ref, g_ref = run(torch.float64, False)
+    h_pt, g_pt = run(torch.bfloat16, False)
+    h, g = run(torch.bfloat16, True)
+    assert_close_rule(h[mask], h_pt[mask], h_ref[mask], torch.bfloat16, "hidden")
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight"):
+        assert_close_rule(g[name], g_pt[name], g_ref[name], torch.bfloat16, name)
