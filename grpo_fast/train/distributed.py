@@ -136,7 +136,9 @@ def wrap(model: torch.nn.Module, world: World, device: torch.device, trainable: 
         return policy
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None)
+    # the buffers (rotary frequencies) never change: no broadcast before every forward
+    return DistributedDataParallel(policy, device_ids=[device.index] if device.type == "cuda" else None,
+                                   broadcast_buffers=False)
 
 
 @contextlib.contextmanager
