@@ -207,6 +207,9 @@ def completion_logprobs(model, ro: Rollout, *, temperature: float = 1.0, impl: s
     under ``no_grad``), from its hidden states and lm_head (``impl="reference"`` materialises the ``[R, T, V]``
     logits, as TRL's and OpenRLHF's trainers do)."""
     hidden = forward(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the lm_head runs in the compute dtype, as the trainer's does
+        hidden = hidden.to(torch.get_autocast_dtype(device_type))
     head = head_of(model)
     bias = None if head.bias is None else head.bias.to(hidden.dtype)
     return fused_logprobs(hidden, head.weight.to(hidden.dtype), ro.completion_ids, bias=bias,
@@ -241,8 +244,8 @@ def ppo_step(
 
     ``reward_fn(rollout) -> [R]`` scores; prompts ``[B, P]`` left-padded, ``R = B * group_size`` samples.
     ``compute_dtype``: the forward passes run under autocast in it (the trainer's mixed precision).
-    ``phase(name)`` wraps the stages ("rollout", "prepare", "train", "optimizer") for a profiler or memory tracker;
-    the gradients are dropped after each optimizer step, outside any phase.
+    ``phase(name)`` wraps the stages ("rollout", "prepare", "forward", "backward", "optimizer") for a profiler or
+    memory tracker; the gradients are dropped after each optimizer step, outside any phase.
     """
     device = prompt_ids.device
     with phase("rollout"):
@@ -264,13 +267,14 @@ def ppo_step(
     params = [p for group in optimizer.param_groups for p in group["params"]]
     metrics = {"score": float(scores.mean()), "kl": float(masked_mean(kl, mask))}
     for _ in range(config.epochs):
-        with phase("train"):
+        with phase("forward"):
             with autocast(device, compute_dtype):
                 logps = completion_logprobs(actor, ro, temperature=config.temperature, impl=impl)
                 values = critic(*args)
             pg_loss, pg_clip = policy_loss(logps, old_logps, advantages, mask, config.cliprange)
             vf_loss, vf_clip = value_loss(values, old_values, returns, mask, config.cliprange_value)
             loss = pg_loss + config.vf_coef * vf_loss
+        with phase("backward"):
             loss.backward()
         with phase("optimizer"):
             max_norm = config.max_grad_norm if config.max_grad_norm > 0 else float("inf")
