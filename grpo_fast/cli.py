@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
+from pathlib import Path
 
 TRAIN_DESCRIPTION = """\
 Train a causal LM with GRPO. With no arguments: a tiny Qwen2 learns the built-in 'digits' task
@@ -57,15 +59,71 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------------------------------ bench and fit
+
+BENCH_DESCRIPTION = """\
+Benchmarks that run from a source checkout (they live in bench/, which pip does not install).
+
+  grpo-fast bench memory [OPTIONS]   GRPO vs PPO: one training step of each method, each in a fresh process, peak
+                                     memory by component (weights, gradients, optimizer, activations, logits, critic,
+                                     KV cache) and step time; CSV + PNG in bench/results/. --help for the options.
+"""
+
+FIT_DESCRIPTION = "the largest group size x completion length that fits a GPU, per method (--help for more)"
+
+
+def _source_module(name: str, command: str):
+    """``bench.<name>`` from the source checkout next to this package (the benchmarks are not installed)."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "harness.py").exists():
+        raise ImportError(f"grpo-fast {command} runs from a source checkout: {root / 'bench'} is missing (pip installs "
+                          "only the package); clone the repository and install it with pip install -e .")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module(f"bench.{name}")
+
+
+def _source_command(argv: list[str]) -> int | None:
+    """``grpo-fast bench memory ...`` and ``grpo-fast fit ...``: handed to the bench modules' own parsers (their
+    --help is the full one); None for every other command."""
+    if argv[:2] == ["bench", "memory"]:
+        command, module, rest = "bench memory", "bench_memory", argv[2:]
+    elif argv[:1] == ["fit"]:
+        command, module, rest = "fit", "fit", argv[1:]
+    else:
+        return None
+    try:
+        mod = _source_module(module, command)
+        kwargs = dict(command=mod.cli_command(rest)) if hasattr(mod, "cli_command") else {}
+        return mod.main(rest, prog=f"grpo-fast {command}", **kwargs)
+    except _INPUT_ERRORS as e:
+        print(f"grpo-fast {command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _source_parsers(sub) -> None:
+    """Entries for the top-level --help; the commands themselves are parsed by the bench modules."""
+    sub.add_parser("bench", help="benchmarks from a source checkout: bench memory (GRPO vs PPO memory)",
+                   description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub.add_parser("fit", help=FIT_DESCRIPTION, description=FIT_DESCRIPTION)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    code = _source_command(argv)
+    if code is not None:
+        return code
     parser = argparse.ArgumentParser(prog="grpo-fast", description="GRPO with fused Triton kernels: no logits.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _source_parsers(sub)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 logs below warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s" if "RANK" not in os.environ
                         else f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if args.command != "train":  # "grpo-fast bench" without a benchmark name
+        parser.parse_args([args.command, "--help"])
     return _train(args)
 
 
