@@ -75,7 +75,7 @@ NOT_AVAILABLE = "skipped: not available (grpo_fast.shared_prefix_forward does no
 class Shape:
     """The measured model (a Qwen2 decoder: tied embeddings, q/k/v bias, SwiGLU, RMSNorm) and the batch."""
 
-    layers: int = 4
+    layers: int = 8
     hidden: int = 256
     intermediate: int = 768
     heads: int = 4
