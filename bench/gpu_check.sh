@@ -37,4 +37,11 @@ timeout 60 python -m grpo_fast train --device cuda --steps 100 --rewards exact -
   2>&1 | tee "$OUT/train.log" | grep -E "kernel path|grpo-fast:|Error|error"
 train_rc=${PIPESTATUS[0]}
 
+echo "== GPU memory: GRPO vs PPO, one training step per configuration (bf16, 8 layers, H=1024, V=151936, 2 x 8 x 256 tokens)"
+# one fresh process per configuration; components from the storage tracker, totals also from torch.cuda.max_memory_allocated
+timeout 180 python -m bench.bench_memory --device cuda --dtype bfloat16 --layers 8 --hidden 1024 --intermediate 2816 \
+  --heads 16 --kv-heads 4 --vocab 151936 --prompts 2 --group-size 8 --prompt-len 128 --completion-len 256 --reps 2 \
+  --timeout 60 --csv "$OUT/memory_gpu.csv" 2>&1 | tee "$OUT/bench_memory.log" | tail -9
+memory_rc=${PIPESTATUS[0]}; echo "memory bench rc=$memory_rc"
+
 echo "== summary ($(($(date +%s) - start)) s): tests rc=$tests_rc, bench rc=$bench_rc, train rc=$train_rc; files in $OUT"
