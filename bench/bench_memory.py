@@ -26,8 +26,9 @@ and the step's own growth; compare it to ``peak_mib - start_mib``); on CUDA ``to
 during the timed steps (``allocator_peak_mib``, absolute like ``peak_mib``).
 
 Output: a CSV (one row per configuration and phase, plus a ``step`` row: the highest phase) with the command line
-that made it, and a PNG next to it: stacked bars of the components at each configuration's peak, the peak of each
-phase, and the step time by phase.
+that made it and the machine's load average before and after each configuration (the step times of a shared machine
+are only as good as its load; the tracked memory does not depend on it), and a PNG next to it: stacked bars of the
+components at each configuration's peak, the peak of each phase, and the step time by phase.
 
     grpo-fast bench memory                                  # the CPU default: 5 configurations, a few minutes
     grpo-fast bench memory --device cuda --dtype bfloat16 --layers 8 --hidden 1024 --vocab 151936 ...
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import shlex
 import statistics
 import sys
@@ -244,7 +246,8 @@ def setup_config(name: str, spec: Shape, device: torch.device, compute_dtype: to
     if forward is None:
         return None
     torch.manual_seed(seed)
-    policy = AutoModelForCausalLM.from_config(model_config or spec.config()).to(device)
+    with torch.device(device):  # initialised where it runs (a CPU init of a large model is slow)
+        policy = AutoModelForCausalLM.from_config(model_config or spec.config())
     policy.train()
     disable_dropout(policy)
     ref = frozen_copy(policy, compute_dtype)
@@ -486,7 +489,7 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
         if command:
             env["command"] = command
         print(f"  {name:>15} ... ", end="", flush=True)
-        t0 = time.perf_counter()
+        t0, load_start = time.perf_counter(), os.getloadavg()[0]
         params = dict(name=name, shape=asdict(shape), device=args.device, dtype=args.dtype, threads=args.threads,
                       reps=args.reps, seed=args.seed)
         try:
@@ -494,11 +497,13 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
                                      mem_limit_bytes=None if device.type == "cuda" else harness.default_mem_limit(None))
         except harness.IsolatedError as e:
             r = dict(error=str(e))
-        new = [dict(row, **env) for row in result_rows(name, r, common)]
+        load = dict(load_avg_start=round(load_start, 2), load_avg_end=round(os.getloadavg()[0], 2))
+        new = [dict(row, **load, **env) for row in result_rows(name, r, common)]
         rows += new
         step = new[-1]
         print(step.get("error") or f"peak {step['peak_mib']:.1f} MiB ({step['peak_phase']}), "
-              f"{step['median_ms'] / 1e3:.2f} s/step  [{time.perf_counter() - t0:.0f} s]", flush=True)
+              f"{step['median_ms'] / 1e3:.2f} s/step, load {load['load_avg_start']:.1f}/{load['load_avg_end']:.1f}  "
+              f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     harness.write_csv(csv_path, rows)
     png = plot(csv_path) if any(r.get("peak_mib") for r in rows) else None
     print()

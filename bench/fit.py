@@ -466,6 +466,28 @@ def format_fit(result: dict, memory: int, args) -> str:
     return "\n".join(lines)
 
 
+def summary(memory: int, group_size: int, args, calibration: dict) -> str:
+    """One row per calibrated registry model: the largest T at ``group_size`` for each method."""
+    methods = list(METHODS)
+    lines = [f"PROJECTED largest completion length T at G={group_size} in {memory / GIB:.0f} GiB ({args.headroom:.0%} "
+             f"kept free), {args.prompts} prompt(s) of {args.prompt_len} tokens, {args.dtype} on {args.device}:", "",
+             "| model | params | " + " | ".join(methods) + " |", "|---|---:|" + "---:|" * len(methods)]
+    for name in MODELS:
+        if name not in calibration["decoder"].get(args.dtype, {}):
+            continue
+        shape = get_model(name)
+        result = fit_table(name, memory, prompts=args.prompts, prompt_len=args.prompt_len, headroom=args.headroom,
+                           dtype=args.dtype, device=args.device, calibration=calibration, group_sizes=(group_size,))
+        cells = []
+        for m in methods:
+            T = result["table"][m][group_size]
+            states = states_bytes(m, shape, result["compute_bytes"])
+            cells.append(f"{T:,}" if T else ("states alone " f"{states / GIB:.0f} GiB" if states > result["budget"]
+                                             else "0"))
+        lines.append(f"| {name} | {shape.num_params() / 1e9:.2f}B | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def build_parser(prog: str = "python -m bench.fit") -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
     p = argparse.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
@@ -480,6 +502,8 @@ def build_parser(prog: str = "python -m bench.fit") -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda: flash attention, foreach AdamW, Triton loss bounds (default); cpu: as measured here")
     p.add_argument("--calibration", type=Path, default=CALIBRATION_PATH, help="the calibration JSON")
+    p.add_argument("--summary", type=int, metavar="G", default=None,
+                   help="instead of one model's table: every calibrated model's largest T at group size G")
     p.add_argument("--calibrate", action="store_true",
                    help="measure the coefficients on this CPU and write --calibration (all registry models, or "
                         "--model's; a few minutes)")
@@ -503,8 +527,8 @@ def main(argv=None, prog: str = "python -m bench.fit") -> int:
         Path(args.calibration).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.calibration}")
         return 0
-    if args.model is None or args.memory is None:
-        raise ValueError("--model and --memory are both needed (or --calibrate)")
+    if args.memory is None or (args.model is None and args.summary is None):
+        raise ValueError("--memory and --model (or --summary G) are needed, or --calibrate")
     if not 0.0 <= args.headroom < 1.0:
         raise ValueError(f"--headroom: expected a fraction in [0, 1), got {args.headroom}")
     for name in ("prompts", "prompt_len"):
@@ -513,6 +537,11 @@ def main(argv=None, prog: str = "python -m bench.fit") -> int:
     memory = parse_memory(args.memory)
     calibration = load_calibration(args.calibration)
     args.calibration_info = f"{calibration['machine']}, {calibration['date']}"
+    if args.summary is not None:
+        if args.summary < 1:
+            raise ValueError(f"--summary: expected a group size >= 1, got {args.summary}")
+        print(summary(memory, args.summary, args, calibration))
+        return 0
     result = fit_table(args.model, memory, prompts=args.prompts, prompt_len=args.prompt_len, headroom=args.headroom,
                        dtype=args.dtype, device=args.device, calibration=calibration)
     print(format_fit(result, memory, args))
