@@ -5,8 +5,9 @@ The model adds up, phase by phase, what one training step keeps alive (the phase
 
   states      exact from the parameter count: float32 master weights (4 B/param), AdamW (8 B/param), the frozen
               reference in the compute dtype; PPO: the critic's weights and AdamW (12 B/param of decoder + head)
-  kv_cache    exact: 2 x layers x kv_heads x head_dim x rows x (P + T) x compute bytes (Gemma-2: its sliding layers
-              keep at most 4096 positions)
+  kv_cache    2 x layers x kv_heads x head_dim x rows x (P + T) x bytes per element, MEASURED (4 in float32; 3
+              under bf16 autocast: the keys come out of the rotary embedding in float32); Gemma-2's sliding layers
+              keep at most 4096 positions
   activations MEASURED per architecture: one and two decoder layers of the real widths (a reduced vocabulary) run on
               this CPU under the storage tracker at three lengths give bytes per token per layer, an S^2 term
               (eager attention: Gemma-2 on CPU; dropped for CUDA, where flash attention saves no S x S tensor), a
@@ -173,13 +174,15 @@ def _solve_quadratic(xs, ys):
 class StepBytes:
     """Measured logits of one method's step, in one compute dtype: the most ``[*, V]``-sized bytes alive at once
     in the rollout (per row x V), the prepare, forward and backward phases (per N x V, N = completion tokens), and
-    those alive when the backward starts (``saved``, per N x V); for fused methods the fused op's tiles."""
+    those alive when the backward starts (``saved``, per N x V); the KV cache's bytes per element; for fused
+    methods the fused op's tiles."""
 
     rollout: float
     prepare: float
     forward: float
     saved: float
     backward: float
+    kv: float  # bytes per cached key or value element (under autocast the keys stay float32: 3 = (4 + 2) / 2)
     tiles: dict  # fused methods: the fused op's working memory by phase, in fp32 tiles (measure_fused)
 
 
@@ -200,9 +203,13 @@ def measure_step(method: str, dtype: str, shape: dict = CALIBRATION_SHAPE) -> St
     nv = spec.rows * spec.completion_len * spec.vocab
     logits = {p: peaks[p].tag_max["logits"] for p in peaks}
     tiles = measure_fused(dtype) if METHODS[method]["fused"] else {}
+    # the cache at the rollout's peak: every layer's keys and values for the positions before the last token
+    elements = 2 * spec.layers * spec.kv_heads * (spec.hidden // spec.heads) * spec.rows * (
+        spec.prompt_len + spec.completion_len - 1)
     return StepBytes(rollout=logits["rollout"] / (spec.rows * spec.vocab), prepare=logits["prepare"] / nv,
                      forward=logits["forward"] / nv, saved=peaks["backward"].start_breakdown["logits"] / nv,
-                     backward=logits["backward"] / nv, tiles=tiles)
+                     backward=logits["backward"] / nv, kv=peaks["rollout"].breakdown["kv_cache"] / elements,
+                     tiles=tiles)
 
 
 def calibrate(models=tuple(MODELS), dtypes=CALIBRATION_DTYPES, log=print) -> dict:
@@ -302,8 +309,8 @@ def fused_workspace(tiles: dict, phase: str, tokens: int, shape: ModelShape, dev
     return tiles[phase] * fused_tile_bytes(tokens, shape)
 
 
-def kv_cache_bytes(shape: ModelShape, rows: int, length: int, compute_bytes: int) -> float:
-    per_position = 2 * shape.num_key_value_heads * shape.head_dim * compute_bytes * rows
+def kv_cache_bytes(shape: ModelShape, rows: int, length: int, element_bytes: float) -> float:
+    per_position = 2 * shape.num_key_value_heads * shape.head_dim * element_bytes * rows
     if shape.name.startswith("gemma-2-"):  # every other layer is a sliding window
         full, sliding = math.ceil(shape.num_hidden_layers / 2), shape.num_hidden_layers // 2
         return per_position * (full * length + sliding * min(length, GEMMA2_WINDOW))
@@ -343,7 +350,7 @@ def project(method: str, shape: ModelShape, step: Step, decoder: DecoderBytes, l
     if m["ppo"]:  # the value pass: the critic's float32 weights are cast for it under autocast
         prepare.append(dict(states, activations=decoder.nograd * tokens + (compute_bytes * psi_critic if bf16 else 0)))
     phases = {
-        "rollout": dict(states, kv_cache=kv_cache_bytes(shape, R, S - 1, compute_bytes),
+        "rollout": dict(states, kv_cache=kv_cache_bytes(shape, R, S - 1, logits.kv),
                         logits=logits.rollout * R * V, activations=autocast_copies),
         "prepare": max(prepare, key=lambda d: sum(d.values())),
     }
