@@ -2,7 +2,7 @@
 # The one GPU check: CUDA tests of the Triton kernels, then the GPU benchmarks, then a short results table.
 # Installs nothing from the network (only grpo-fast itself, in place, so that `grpo_fast.kernels` maps to kernels/);
 # expects torch, triton and transformers on the machine (liger-kernel optional: its rows then record the error).
-# Budget: under 8 minutes on one H200 even if every step runs into its timeout (120 + 2 x 130 + 60 s).
+# Budget: under 12 minutes on one H200 even if every step runs into its timeout (120 + 2 x 130 + 90 + 60 + 180 s).
 # Results go to $OUT (default bench/results/gpu).
 #   bash bench/gpu_check.sh
 set -uo pipefail
@@ -31,6 +31,12 @@ for n in 8192 16384; do
   rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && bench_rc=$rc
 done
 
+echo "== GPU benchmark: shared-prefix training step (shared vs unshared forward), bf16, H=1024, 8 layers"
+# P:C 8:1, 1:1, 1:8 of 512 tokens x G 4, 16; one process per configuration, each checks the fp32 losses first
+timeout 90 python -m bench.bench_prefix --device cuda --dtype bf16 --hidden 1024 --layers 8 --groups 2 \
+  --warmup 2 --reps 5 --timeout 40 --csv "$OUT/prefix_gpu.csv" 2>&1 | tee "$OUT/bench_prefix.log" | tail -10
+prefix_rc=${PIPESTATUS[0]}
+
 echo "== trainer on CUDA: the default task, bf16, Triton kernel path, 100 steps"
 # --rewards exact (exact match of the digit answer): the GPU image has no math-verify
 timeout 60 python -m grpo_fast train --device cuda --steps 100 --rewards exact --output-dir "$OUT/train" --progress false \
@@ -44,4 +50,4 @@ timeout 180 python -m bench.bench_memory --device cuda --dtype bfloat16 --layers
   --timeout 60 --csv "$OUT/memory_gpu.csv" 2>&1 | tee "$OUT/bench_memory.log" | tail -9
 memory_rc=${PIPESTATUS[0]}; echo "memory bench rc=$memory_rc"
 
-echo "== summary ($(($(date +%s) - start)) s): tests rc=$tests_rc, bench rc=$bench_rc, train rc=$train_rc; files in $OUT"
+echo "== summary ($(($(date +%s) - start)) s): tests rc=$tests_rc, bench rc=$bench_rc, prefix rc=$prefix_rc, train rc=$train_rc; files in $OUT"
