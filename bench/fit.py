@@ -354,18 +354,21 @@ def project(method: str, shape: ModelShape, step: Step, decoder: DecoderBytes, l
                         logits=logits.rollout * R * V, activations=autocast_copies),
         "prepare": max(prepare, key=lambda d: sum(d.values())),
     }
-    forward = dict(states, activations=act + head_copy + ws["forward"], logits=logits.forward * N * V)
-    if m["ppo"]:  # the critic's forward comes after the actor's loss: its activations meet the saved logits only
-        with_critic = dict(states, activations=act + ws["forward"], logits=logits.saved * N * V)
-        with_critic["critic"] += act
-        forward = max(forward, with_critic, key=lambda d: sum(d.values()))
-    phases["forward"] = forward
-    # the fused backward also holds the lm_head's gradient [V, H] fp32 and d hidden [N, H] while it runs
+    largest = lambda *moments: max(moments, key=lambda d: sum(d.values()))  # noqa: E731
+    # the end of the forward: what the backward will use (PPO: the critic's forward came after the actor's loss, so
+    # its activations meet the saved logits only)
+    forward_end = dict(states, activations=act + ws["forward"], logits=logits.saved * N * V)
+    if m["ppo"]:
+        forward_end["critic"] += act
+    phases["forward"] = largest(forward_end, dict(states, activations=act + head_copy + ws["forward"],
+                                                  logits=logits.forward * N * V))
+    # the fused backward also holds the lm_head's gradient [V, H] fp32 and d hidden [N, H] while it runs; PPO: the
+    # critic's backward runs first, its gradients exist when the actor's starts
     fused_grads = V * H * 4.0 + N * H * compute_bytes if m["fused"] else 0.0
-    phases["backward"] = dict(states, activations=act + head_copy + ws["backward"] + fused_grads,
-                              logits=logits.backward * N * V)
-    if m["ppo"]:  # the critic's backward runs first: its gradients exist when the actor's starts
-        phases["backward"]["critic"] += 4.0 * psi_critic
+    backward = dict(states, activations=act + head_copy + ws["backward"] + fused_grads, logits=logits.backward * N * V)
+    if m["ppo"]:
+        backward["critic"] += 4.0 * psi_critic
+    phases["backward"] = largest(forward_end, backward)
     phases["optimizer"] = dict(states, gradients=4.0 * psi,
                                optimizer=states["optimizer"] + adam_temporaries(shape, psi + psi_critic * m["ppo"],
                                                                                 device))
@@ -488,9 +491,11 @@ def summary(memory: int, group_size: int, args, calibration: dict) -> str:
         cells = []
         for m in methods:
             T = result["table"][m][group_size]
-            states = states_bytes(m, shape, result["compute_bytes"])
-            cells.append(f"{T:,}" if T else ("states alone " f"{states / GIB:.0f} GiB" if states > result["budget"]
-                                             else "0"))
+            if not T:  # what even the shortest step needs
+                decoder, logits = coefficients(calibration, name, m, args.dtype)
+                need = peak(project(m, shape, Step(args.prompts, group_size, args.prompt_len, 1), decoder, logits,
+                                    compute_bytes=result["compute_bytes"], device=args.device))[0]
+            cells.append(f"{T:,}" if T else f"no ({need / GIB:.0f} GiB at T=1)")
         lines.append(f"| {name} | {shape.num_params() / 1e9:.2f}B | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -544,6 +549,8 @@ def main(argv=None, prog: str = "python -m bench.fit") -> int:
     memory = parse_memory(args.memory)
     calibration = load_calibration(args.calibration)
     args.calibration_info = f"{calibration['machine']}, {calibration['date']}"
+    if Path(args.calibration).resolve().is_relative_to(harness.REPO_ROOT):
+        args.calibration = Path(args.calibration).resolve().relative_to(harness.REPO_ROOT)
     if args.summary is not None:
         if args.summary < 1:
             raise ValueError(f"--summary: expected a group size >= 1, got {args.summary}")
