@@ -18,9 +18,9 @@ states are float32 (the trainer's master weights), the reference is stored in ``
 under autocast in ``--dtype`` (float32 on CPU: no autocast).
 
 Per configuration the child runs one warm-up step (it creates AdamW's states), ``--reps`` timed steps, then one step
-under ``bench.memtrack.StorageTracker``, which counts live tensor storage by phase (rollout, prepare, train,
-optimizer) and component (weights, gradients, optimizer, activations, logits, critic, kv_cache, other); the module
-docstring of ``bench/memtrack.py`` says exactly what is counted. Cross-checks next to it: on CPU the process's peak
+under ``bench.memtrack.StorageTracker``, which counts live tensor storage by phase (rollout, prepare, forward,
+backward, optimizer) and component (weights, gradients, optimizer, activations, logits, critic, kv_cache, other); the
+module docstring of ``bench/memtrack.py`` says exactly what is counted. Cross-checks next to it: on CPU the process's peak
 RSS during the timed steps minus its RSS before them (``rss_step_mib``: it includes allocator slack, kernel scratch
 and the step's own growth; compare it to ``peak_mib - start_mib``); on CUDA ``torch.cuda.max_memory_allocated``
 during the timed steps (``allocator_peak_mib``, absolute like ``peak_mib``).

@@ -23,7 +23,7 @@ The model adds up, phase by phase, what one training step keeps alive (the phase
 What is measured and what projected: the calibration file (``bench/results/memory_calibration.json``, written by
 ``grpo-fast fit --calibrate``) holds the measured coefficients and says where and how they were measured; every
 number in the tables is a projection from them. ``tests/test_memory.py`` checks projections against tracked
-measurements of full steps at CPU sizes the calibration did not see (within 10% per phase).
+measurements of full steps at CPU sizes the calibration did not see (within 5% per phase).
 
 Assumptions (say so when they do not hold): full fine-tuning with the grpo-fast trainer's mixed precision (float32
 master weights and AdamW, bfloat16 forward passes, reference stored in bfloat16); one micro-batch = B prompts x G
