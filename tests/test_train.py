@@ -79,6 +79,19 @@ def _one_generation(tmp_path, **overrides):
     return run, ro, adv
 
 
+def _record_gradients(run) -> dict:
+    """The gradients the optimizer steps with (policy_update clears them right after the step)."""
+    recorded: dict = {}
+    step = run.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        recorded.update({k: p.grad.clone() for k, p in run.model.named_parameters() if p.grad is not None})
+        return step(*args, **kwargs)
+
+    run.optimizer.step = recording_step
+    return recorded
+
+
 @pytest.mark.parametrize("loss_type", [t.value for t in LossType])
 def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type):
     """Micro-batches of 3 rows (uneven: 16 = 3*5 + 1) accumulate to the gradient of the whole generation, the KL
@@ -89,9 +102,10 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type):
         run, ro, adv = _one_generation(tmp_path, micro_batch_size=micro, **{
             "loss.loss_type": loss_type, "loss.beta": "0.05", "loss.entropy_coef": "0.01"})
         adv = torch.linspace(-1, 1, adv.shape[0])  # every row carries signal
+        grads.append(_record_gradients(run))
         metrics.append(policy_update(run, ro, adv, None, reference_logprobs(run, ro)))
-        # the gradients survive the optimizer step (they are only cleared at the start of the next update)
-        grads.append({k: p.grad.clone() for k, p in run.model.named_parameters() if p.grad is not None})
+        assert all(p.grad is None for p in run.model.parameters())  # not kept through the next rollout
+    assert grads[0] and grads[0].keys() == grads[1].keys()
     for k in grads[0]:
         torch.testing.assert_close(grads[1][k], grads[0][k], atol=2e-6, rtol=1e-4, msg=k)
     for k in ("loss", "kl", "entropy"):
@@ -307,16 +321,17 @@ def test_one_step_on_the_triton_kernel_path(tmp_path):
     torch.manual_seed(0)
     run_t, ro, adv = _one_generation(tmp_path / "t", impl="triton", **{"loss.beta": "0.1", "loss.entropy_coef": "0.01"})
     adv = torch.linspace(-1, 1, adv.shape[0])
+    g_t = _record_gradients(run_t)
     m_t = policy_update(run_t, ro, adv, None, reference_logprobs(run_t, ro))
-    g_t = {k: p.grad.clone() for k, p in run_t.model.named_parameters() if p.grad is not None}
     torch.manual_seed(0)
     run_c, ro_c, _ = _one_generation(tmp_path / "c", impl="torch", **{"loss.beta": "0.1", "loss.entropy_coef": "0.01"})
     assert torch.equal(ro.completion_ids, ro_c.completion_ids)
+    g_c = _record_gradients(run_c)
     m_c = policy_update(run_c, ro_c, adv, None, reference_logprobs(run_c, ro_c))
     assert m_t["loss"] == pytest.approx(m_c["loss"], rel=1e-4, abs=1e-6)
-    for k, p in run_c.model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(g_t[k], p.grad, atol=1e-5, rtol=1e-4, msg=k)
+    assert g_c and g_t.keys() == g_c.keys()
+    for k in g_c:
+        torch.testing.assert_close(g_t[k], g_c[k], atol=1e-5, rtol=1e-4, msg=k)
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "qwen3", "llama"])

@@ -420,6 +420,7 @@ def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps) -> di
         _count_skip(run, "non-finite loss or gradient")
         return {"grad_norm": float("nan")}
     run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)  # the gradients are not kept through the next rollout
     run.scheduler.step()
     names = sorted(sums)
     sums = dict(zip(names, dist_.sum_across([sums[k] for k in names], world, run.device)))
