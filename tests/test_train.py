@@ -82,13 +82,11 @@ def _one_generation(tmp_path, **overrides):
 def _record_gradients(run) -> dict:
     """The gradients the optimizer steps with (policy_update clears them right after the step)."""
     recorded: dict = {}
-    step = run.optimizer.step
 
-    def recording_step(*args, **kwargs):
+    def record(optimizer, args, kwargs):
         recorded.update({k: p.grad.clone() for k, p in run.model.named_parameters() if p.grad is not None})
-        return step(*args, **kwargs)
 
-    run.optimizer.step = recording_step
+    run.optimizer.register_step_pre_hook(record)
     return recorded
 
 
