@@ -178,6 +178,7 @@ def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None) 
     start = _start("trl", threads)
     from transformers import TrainerCallback
 
+    from grpo_fast.train.distributed import PolicyForward
     from grpo_fast.train.trainer import evaluate, setup
 
     class StepTimer(TrainerCallback):
@@ -198,7 +199,7 @@ def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None) 
     with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
         model_dir = save_initial_model(Path(tmp) / "model", seed)
         trainer = build_trl_trainer(cfg, model_dir, str(Path(tmp) / "out"), callbacks=[timer])
-        scorer.model = trainer.model
+        scorer.model, scorer.policy = trainer.model, PolicyForward(trainer.model)  # every pass goes through policy
         eval_before = evaluate(scorer)
         trainer.train()
         eval_after = evaluate(scorer)

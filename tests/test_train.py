@@ -13,6 +13,7 @@ from grpo_fast.train import train
 from grpo_fast.train.metrics import read_steps
 from grpo_fast.train.rollout import SamplingParams
 from grpo_fast.train.trainer import (
+    evaluate,
     policy_update,
     reference_logprobs,
     rollout,
@@ -357,3 +358,16 @@ def test_architectures_sample_and_train_on_the_same_log_probs(tmp_path, arch):
     metrics = policy_update(run, ro, torch.linspace(-1, 1, ro.completion_ids.shape[0]), None,
                             reference_logprobs(run, ro))
     assert metrics["sampling_logp_gap"] < 1e-5 and abs(metrics["kl"]) < 1e-6 and run.skipped_updates == 0
+
+
+def test_a_replaced_model_without_its_wrapper_is_refused(tmp_path):
+    """Every pass goes through run.policy; replacing run.model alone would silently sample the old model."""
+    from grpo_fast.train.distributed import PolicyForward
+    from grpo_fast.train.tasks import tiny_model
+
+    run = setup(small_config(tmp_path))
+    run.model = tiny_model(run.tokenizer, seed=1)
+    with pytest.raises(RuntimeError, match="Run.policy wraps another model than Run.model"):
+        evaluate(run)
+    run.policy = PolicyForward(run.model)
+    assert evaluate(run) is not None

@@ -114,6 +114,11 @@ class PolicyForward(torch.nn.Module):
         return fn(self.model, *args, **kwargs)
 
 
+def inner_model(policy) -> torch.nn.Module:
+    """The model inside :func:`wrap`'s result (DDP keeps the wrapper as ``.module``)."""
+    return getattr(policy, "module", policy).model
+
+
 def wrap(model: torch.nn.Module, world: World, device: torch.device, trainable: bool = True):
     """The module the trainer calls: ``PolicyForward(model)``, under DDP or FSDP2 in a distributed run.
 

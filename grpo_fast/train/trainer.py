@@ -225,6 +225,8 @@ def rollout(run: Run, records: list[dict], group_size: int, params: SamplingPara
             first_chunk: int = 0) -> tuple[Rollout, list[str]]:
     """Samples ``group_size`` completions per record, ``generation_prompts`` prompts at a time (their KV caches are
     what bounds generation memory); chunk ``i`` samples with ``sampling_generator(first_chunk + i)``."""
+    if dist_.inner_model(run.policy) is not run.model:  # e.g. run.model replaced without its wrapper
+        raise RuntimeError("Run.policy wraps another model than Run.model; replace both (distributed.wrap)")
     chunk = run.config.generation_prompts or len(records)
     eos = eos_token_ids(run.model, run.tokenizer)
     parts = []
