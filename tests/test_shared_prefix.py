@@ -16,12 +16,15 @@ from transformers import (
     Gemma2ForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
 from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -45,6 +48,7 @@ ARCHS = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),  # with a window it is refused
 }
 
 
@@ -58,7 +62,7 @@ def rms_norm_in_the_input_dtype(monkeypatch):
     def exact(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
-    for module in (modeling_llama, modeling_qwen2, modeling_qwen3):
+    for module in (modeling_llama, modeling_qwen2, modeling_qwen3, modeling_mistral):
         for name in dir(module):
             if name.endswith("RMSNorm"):
                 monkeypatch.setattr(getattr(module, name), "forward", exact)
@@ -254,8 +258,12 @@ def test_eager_attention_is_refused_with_the_fix():
         shared_prefix_forward(model, *batch(B=1, G=2, P=3, T=2), group_size=2)
 
 
-def test_sliding_window_layers_are_refused():
-    model = build("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+@pytest.mark.parametrize("arch, options", [
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=0)),
+    ("mistral", dict(sliding_window=4)),
+])
+def test_sliding_window_layers_are_refused(arch, options):
+    model = build(arch, **options)
     with pytest.raises(SharedPrefixUnsupported, match="sliding-window"):
         shared_prefix_forward(model, *batch(B=1, G=2, P=3, T=2), group_size=2)
 

@@ -17,7 +17,7 @@ shared pattern only when the forward carries a :class:`PrefixLayout`. The shared
 (``backend="flex"``, for CUDA, no copies of the prompt's keys and values).
 
 Exactness: hidden states, log-probs and gradients equal the unshared forward's up to summation order (tested in
-float64 against :func:`grpo_fast.train.forward.completion_hidden` for Llama, Qwen2 and Qwen3).
+float64 against :func:`grpo_fast.train.forward.completion_hidden` for Llama, Qwen2, Qwen3 and Mistral).
 """
 
 from __future__ import annotations
@@ -179,11 +179,11 @@ def _masks(layout: PrefixLayout, prompt_mask: torch.Tensor) -> None:
     B, P = prompt_mask.shape
     T, G, device = layout.completion_len, layout.group_size, prompt_mask.device
     real = prompt_mask.bool()
-    eye = torch.eye(P, dtype=torch.bool, device=device)
-    causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     if layout.backend == "flex":
         layout.block_mask = _block_mask(real, P, T, G)
         return
+    eye = torch.eye(P, dtype=torch.bool, device=device)
+    causal_p = torch.ones(P, P, dtype=torch.bool, device=device).tril()
     layout.prompt_attend = ((causal_p & real[:, None, :]) | eye)[:, None]
     causal_c = torch.ones(T, T, dtype=torch.bool, device=device).tril()
     to_prompt = real[:, None, :].expand(B, T, P)
