@@ -15,7 +15,10 @@ group; every completion runs to ``--completion-len`` tokens, no EOS) -> rule-bas
 log-probs; PPO: critic values) -> advantages (GRPO: group-normalised; PPO: KL-penalised rewards and GAE) -> one
 update (forward, backward, gradient clipping, AdamW) on all rows at once -> gradients dropped. Parameters and AdamW
 states are float32 (the trainer's master weights), the reference is stored in ``--dtype`` and the forward passes run
-under autocast in ``--dtype`` (float32 on CPU: no autocast).
+under autocast in ``--dtype`` (float32 on CPU: no autocast). ``--lora-r R`` and ``--gradient-checkpointing`` set the
+GRPO configurations' policy up as ``grpo-fast train`` does (``build_policy``): LoRA adapters on the trainer's default
+target modules over a base stored in ``--dtype``, the reference = the base with the adapters disabled, AdamW over the
+adapters; transformers' activation checkpointing of every decoder layer. PPO runs with full fine-tuning only.
 
 Per configuration the child runs one warm-up step (it creates AdamW's states), ``--reps`` timed steps, then one step
 under ``bench.memtrack.StorageTracker``, which counts live tensor storage by phase (rollout, prepare, forward,
@@ -32,6 +35,7 @@ components at each configuration's peak, the peak of each phase, and the step ti
 
     grpo-fast bench memory                                  # the CPU default: 5 configurations, a few minutes
     grpo-fast bench memory --device cuda --dtype bfloat16 --layers 8 --hidden 1024 --vocab 151936 ...
+    grpo-fast bench memory --configs grpo_fused --lora-r 16 --gradient-checkpointing --csv /tmp/lora.csv
     python -m bench.bench_memory --replot                   # redraw the PNG from the CSV
 """
 
@@ -54,6 +58,7 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_memory.py
 import torch
 
 from bench import harness
+from grpo_fast.memory.projection import Training
 
 CONFIGS = {
     "ppo": dict(method="ppo", logits="materialised", shared=False),
@@ -71,6 +76,7 @@ CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "cri
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIB = harness.MIB
 NOT_AVAILABLE = "skipped: not available (grpo_fast.shared_prefix_forward does not exist yet)"
+FULL_ONLY = "skipped: PPO runs with full fine-tuning and no activation checkpointing only"
 
 
 @dataclass(frozen=True)
@@ -104,7 +110,7 @@ class Shape:
         return self.prompts * self.group_size
 
     def model_shape(self):
-        """This model as a ``bench.models.ModelShape`` (what ``bench.fit`` projects)."""
+        """This model as a ``bench.models.ModelShape`` (what ``grpo_fast.memory.projection`` projects)."""
         from bench.models import ModelShape
 
         return ModelShape(f"qwen2.5-bench-L{self.layers}-H{self.hidden}", "", hidden_size=self.hidden,
@@ -128,7 +134,9 @@ class Shape:
 
 def grpo_step(policy, ref, optimizer, prompt_ids, prompt_mask, reward_fn, sampling, *, group_size, forward, impl,
               compute_dtype, phase, generator=None, max_grad_norm=1.0):
-    """Rollout, group advantages, reference log-probs, one dapo update with beta 0.04; gradients dropped after."""
+    """Rollout, group advantages, reference log-probs, one dapo update with beta 0.04; gradients dropped after.
+    ``ref`` None: the policy is a PEFT model and the reference is its base with the adapters disabled (the
+    trainer's LoRA reference)."""
     from grpo_fast import GRPOLossConfig, group_advantages, grpo_loss
     from grpo_fast.ppo import completion_logprobs
     from grpo_fast.train.forward import head_of
@@ -143,8 +151,10 @@ def grpo_step(policy, ref, optimizer, prompt_ids, prompt_mask, reward_fn, sampli
             ro = generate(policy, prompt_ids, prompt_mask, group_size, sampling, eos_token_id=-1, pad_token_id=0,
                           generator=generator)
         advantages = group_advantages(reward_fn(ro), group_size=group_size).advantages
-    with phase("prepare"), torch.no_grad(), autocast(device, compute_dtype):
-        ref_logps = completion_logprobs(ref, ro, temperature=sampling.temperature, impl=impl, forward=forward)
+    ref_context = policy.disable_adapter() if ref is None else contextlib.nullcontext()
+    with phase("prepare"), torch.no_grad(), ref_context, autocast(device, compute_dtype):
+        ref_logps = completion_logprobs(policy if ref is None else ref, ro, temperature=sampling.temperature,
+                                        impl=impl, forward=forward)
     with phase("forward"):
         with autocast(device, compute_dtype):
             hidden = forward(policy, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
@@ -154,6 +164,7 @@ def grpo_step(policy, ref, optimizer, prompt_ids, prompt_mask, reward_fn, sampli
                         ref_logps=ref_logps, bias=bias, config=config, impl=impl)
     with phase("backward"):
         out.loss.backward()
+        del out, hidden  # as in the trainer, whose loss and hidden states die with the micro-batch
     with phase("optimizer"):
         torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.grad is not None], max_grad_norm)
         optimizer.step()
@@ -201,9 +212,11 @@ class PhaseTimer:
 def _owners(policy, ref, critic, optimizer):
     from bench.memtrack import storage_ids
 
+    models = [policy] if ref is None else [policy, ref]
+
     def owners() -> dict[int, str]:
-        m = dict.fromkeys(storage_ids([*policy.parameters(), *policy.buffers(), *ref.parameters(),
-                                       *ref.buffers()]), "weights")
+        m = dict.fromkeys(storage_ids([t for model in models for t in (*model.parameters(), *model.buffers())]),
+                          "weights")
         m.update(dict.fromkeys(storage_ids(p.grad for p in policy.parameters()), "gradients"))
         m.update(dict.fromkeys(storage_ids(v for p in policy.parameters() for v in optimizer.state.get(p, {}).values()),
                                "optimizer"))
@@ -223,36 +236,56 @@ class Setup:
 
     step: object
     policy: torch.nn.Module
-    ref: torch.nn.Module
+    ref: torch.nn.Module | None  # None: LoRA's reference, the policy with its adapters disabled
     critic: torch.nn.Module | None
     optimizer: torch.optim.Optimizer
     inputs: list
 
 
-def setup_config(name: str, spec: Shape, device: torch.device, compute_dtype: torch.dtype, seed: int,
-                 model_config=None) -> Setup | None:
-    """Model, reference, critic (PPO), AdamW and prompts for configuration ``name``; None when it needs
-    ``shared_prefix_forward`` and that does not exist. ``model_config``: another transformers config to build
-    (default: ``spec.config()``)."""
+def build_policy(config, device: torch.device, compute_dtype: torch.dtype, training: Training):
+    """The policy as the trainer sets it up (``grpo_fast.train.model``): full fine-tuning keeps float32 weights;
+    LoRA stores the base in the compute dtype and adds the trainer's adapters; activation checkpointing is switched
+    on before the adapters, as ``load_model_and_tokenizer`` does."""
     from transformers import AutoModelForCausalLM
 
+    from grpo_fast.train.config import TrainConfig
+    from grpo_fast.train.model import attach_lora, disable_dropout
+
+    with torch.device(device):  # initialised where it runs (a CPU init of a large model is slow)
+        policy = AutoModelForCausalLM.from_config(config)
+    if training.lora_r:
+        policy.to(compute_dtype)
+    policy.train()
+    disable_dropout(policy)
+    if training.checkpointing:
+        policy.activation_checkpointing_enable()
+    if training.lora_r:
+        policy = attach_lora(policy, TrainConfig(lora_r=training.lora_r))
+    return policy
+
+
+def setup_config(name: str, spec: Shape, device: torch.device, compute_dtype: torch.dtype, seed: int,
+                 model_config=None, training: Training = Training()) -> Setup | None:
+    """Model, reference, critic (PPO), AdamW and prompts for configuration ``name``; None when it needs
+    ``shared_prefix_forward`` and that does not exist. ``model_config``: another transformers config to build
+    (default: ``spec.config()``); ``training``: LoRA and activation checkpointing (GRPO configurations only)."""
     from grpo_fast.ppo import Critic, PPOConfig, ppo_step
     from grpo_fast.train.forward import completion_hidden
-    from grpo_fast.train.model import disable_dropout, frozen_copy
+    from grpo_fast.train.model import frozen_copy
     from grpo_fast.train.rollout import SamplingParams
 
     cfg = CONFIGS[name]
+    if cfg["method"] == "ppo" and training != Training():
+        raise ValueError(f"{name}: {FULL_ONLY.removeprefix('skipped: ')}, got {training}")
     forward = shared_forward(spec.group_size) if cfg["shared"] else completion_hidden
     if forward is None:
         return None
     torch.manual_seed(seed)
-    with torch.device(device):  # initialised where it runs (a CPU init of a large model is slow)
-        policy = AutoModelForCausalLM.from_config(model_config or spec.config())
-    policy.train()
-    disable_dropout(policy)
-    ref = frozen_copy(policy, compute_dtype)
+    policy = build_policy(model_config or spec.config(), device, compute_dtype, training)
+    ref = None if training.lora_r else frozen_copy(policy, compute_dtype)
     critic = Critic.from_policy(policy, seed=seed) if cfg["method"] == "ppo" else None
-    params = [*policy.parameters(), *(critic.parameters() if critic is not None else [])]
+    models = [policy] if critic is None else [policy, critic]
+    params = [p for model in models for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-6)
     gen = torch.Generator().manual_seed(seed)
     vocab = policy.config.vocab_size
@@ -285,7 +318,8 @@ def tracked_step(setup: Setup) -> dict:
             tracker.register([*model.parameters(), *model.buffers()], "weights")
     tracker.register([v for state in optimizer.state.values() for v in state.values()], "optimizer")
     tracker.register(setup.inputs, "other")
-    handles = tracker.watch(decoder_of(policy), "activations") + tracker.watch(decoder_of(ref), "activations")
+    handles = [h for model in (policy, ref) if model is not None for h in tracker.watch(decoder_of(model),
+                                                                                         "activations")]
     if critic is not None:
         handles += tracker.watch(critic, "critic")
     try:
@@ -297,12 +331,16 @@ def tracked_step(setup: Setup) -> dict:
     return tracker.peaks
 
 
-def run_config(name: str, shape: dict, device: str, dtype: str, threads: int, reps: int, seed: int) -> dict:
+def run_config(name: str, shape: dict, device: str, dtype: str, threads: int, reps: int, seed: int,
+               training: dict | None = None) -> dict:
     """One configuration in this (fresh) process; returns timings, tracked peaks and cross-checks."""
     spec = Shape(**shape)
     torch.set_num_threads(threads)
     device = torch.device(device)
-    setup = setup_config(name, spec, device, DTYPES[dtype], seed)
+    training = Training(**(training or {}))
+    if CONFIGS[name]["method"] == "ppo" and training != Training():
+        return dict(skipped=FULL_ONLY)
+    setup = setup_config(name, spec, device, DTYPES[dtype], seed, training=training)
     if setup is None:
         return dict(skipped=NOT_AVAILABLE)
     setup.step(phase=lambda _: contextlib.nullcontext())  # warm-up: AdamW's states, lazy initialisation
@@ -457,6 +495,11 @@ def build_parser(prog: str = "python -m bench.bench_memory") -> argparse.Argumen
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="compute dtype of the forward passes and the reference's storage (default float32)")
+    p.add_argument("--lora-r", type=int, default=0, metavar="R",
+                   help="LoRA rank of the GRPO configurations, as grpo-fast train --lora-r (default 0: full "
+                        "fine-tuning; PPO is skipped with LoRA)")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="activation checkpointing of the GRPO configurations (PPO is skipped with it)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per configuration (default 1)")
     p.add_argument("--reps", type=int, default=2, help="timed steps per configuration (default 2; median)")
     p.add_argument("--seed", type=int, default=0)
@@ -478,10 +521,13 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
     shape.check()
     if args.reps < 1:
         raise ValueError(f"--reps: expected an integer >= 1, got {args.reps}")
+    training = Training(lora_r=args.lora_r, checkpointing=args.gradient_checkpointing)
     common = dict(model=f"Qwen2 L={shape.layers} H={shape.hidden} I={shape.intermediate} heads={shape.heads}/"
-                        f"{shape.kv_heads} V={shape.vocab}", **asdict(shape), dtype=args.dtype)
+                        f"{shape.kv_heads} V={shape.vocab}", **asdict(shape), dtype=args.dtype,
+                  lora_r=training.lora_r, gradient_checkpointing=training.checkpointing)
     print(f"memory bench on {harness.device_name(device)}: {common['model']}, B={shape.prompts} G={shape.group_size} "
-          f"P={shape.prompt_len} T={shape.completion_len}, {args.dtype}, {args.threads} thread(s)", flush=True)
+          f"P={shape.prompt_len} T={shape.completion_len}, {args.dtype}, {training.describe()}, {args.threads} "
+          "thread(s)", flush=True)
     rows = []
     for name in args.configs:
         torch.set_num_threads(args.threads)
@@ -491,7 +537,7 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
         print(f"  {name:>15} ... ", end="", flush=True)
         t0, load_start = time.perf_counter(), os.getloadavg()[0]
         params = dict(name=name, shape=asdict(shape), device=args.device, dtype=args.dtype, threads=args.threads,
-                      reps=args.reps, seed=args.seed)
+                      reps=args.reps, seed=args.seed, training=asdict(training))
         try:
             r = harness.run_isolated("bench.bench_memory:run_config", params, timeout=args.timeout,
                                      mem_limit_bytes=None if device.type == "cuda" else harness.default_mem_limit(None))
@@ -509,7 +555,7 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
     print()
     print(results_table(rows))
     print(f"\nCSV: {csv_path}" + (f"; plot: {png}" if png else ""))
-    return 0 if all(not r.get("error") or r["error"] == NOT_AVAILABLE for r in rows) else 1
+    return 0 if all(not r.get("error") or r["error"] in (NOT_AVAILABLE, FULL_ONLY) for r in rows) else 1
 
 
 def cli_command(argv: list[str]) -> str:

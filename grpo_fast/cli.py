@@ -69,10 +69,11 @@ Benchmarks that run from a source checkout (they live in bench/, which pip does 
                                      KV cache) and step time; CSV + PNG in bench/results/. --help for the options.
 """
 
-FIT_DESCRIPTION = "the largest group size x completion length that fits a GPU, per method (--help for more)"
+FIT_DESCRIPTION = ("the largest group size x completion length that fits a GPU, per method, for full fine-tuning, "
+                   "LoRA and activation checkpointing (--help for more)")
 
 
-def _source_module(name: str, command: str):
+def source_module(name: str, command: str):
     """``bench.<name>`` from the source checkout next to this package (the benchmarks are not installed)."""
     root = Path(__file__).resolve().parent.parent
     if not (root / "bench" / "harness.py").exists():
@@ -83,26 +84,30 @@ def _source_module(name: str, command: str):
     return importlib.import_module(f"bench.{name}")
 
 
-def _source_command(argv: list[str]) -> int | None:
-    """``grpo-fast bench memory ...`` and ``grpo-fast fit ...``: handed to the bench modules' own parsers (their
-    --help is the full one); None for every other command."""
-    if argv[:2] == ["bench", "memory"]:
-        command, module, rest = "bench memory", "bench_memory", argv[2:]
-    elif argv[:1] == ["fit"]:
-        command, module, rest = "fit", "fit", argv[1:]
+def _parsed_elsewhere(argv: list[str]) -> int | None:
+    """``grpo-fast fit ...`` (grpo_fast.memory.fit) and ``grpo-fast bench memory ...`` (bench/bench_memory.py, from
+    a source checkout): handed to those modules' own parsers (their --help is the full one); None for every other
+    command."""
+    if argv[:1] == ["fit"]:
+        command, rest = "fit", argv[1:]
+    elif argv[:2] == ["bench", "memory"]:
+        command, rest = "bench memory", argv[2:]
     else:
         return None
     try:
-        mod = _source_module(module, command)
-        kwargs = dict(command=mod.cli_command(rest)) if hasattr(mod, "cli_command") else {}
-        return mod.main(rest, prog=f"grpo-fast {command}", **kwargs)
+        if command == "fit":
+            from grpo_fast.memory import fit
+
+            return fit.main(rest, prog="grpo-fast fit")
+        mod = source_module("bench_memory", command)
+        return mod.main(rest, prog=f"grpo-fast {command}", command=mod.cli_command(rest))
     except _INPUT_ERRORS as e:
         print(f"grpo-fast {command}: error: {e}", file=sys.stderr)
         return 2
 
 
-def _source_parsers(sub) -> None:
-    """Entries for the top-level --help; the commands themselves are parsed by the bench modules."""
+def _elsewhere_parsers(sub) -> None:
+    """Entries for the top-level --help; the commands themselves are parsed by their modules."""
     sub.add_parser("bench", help="benchmarks from a source checkout: bench memory (GRPO vs PPO memory)",
                    description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub.add_parser("fit", help=FIT_DESCRIPTION, description=FIT_DESCRIPTION)
@@ -110,13 +115,13 @@ def _source_parsers(sub) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    code = _source_command(argv)
+    code = _parsed_elsewhere(argv)
     if code is not None:
         return code
     parser = argparse.ArgumentParser(prog="grpo-fast", description="GRPO with fused Triton kernels: no logits.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
-    _source_parsers(sub)
+    _elsewhere_parsers(sub)
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 logs below warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,

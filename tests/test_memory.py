@@ -1,17 +1,22 @@
 """The memory tracker (bench/memtrack.py), the memory bench's step (bench/bench_memory.py) and the memory model of
-``grpo-fast fit`` (bench/fit.py): projections against tracked measurements of full steps at CPU sizes."""
+``grpo-fast fit`` (grpo_fast/memory/, calibrated by bench/calibrate_memory.py): projections against tracked
+measurements of full steps at CPU sizes, for full fine-tuning, LoRA and activation checkpointing."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from bench import bench_memory, fit
+from bench import bench_memory, calibrate_memory
 from bench.memtrack import StorageTracker, storage_ids
-from bench.models import get_model
+from grpo_fast.memory import fit, projection
+from grpo_fast.memory.models import ModelShape, get_model
+from grpo_fast.memory.projection import Training
 
 # ------------------------------------------------------------------------------------------------ the tracker
 
@@ -74,7 +79,7 @@ def test_tracker_enters_custom_ops_and_recognises_logits():
             logprobs_reference(h, w, y)
         with tracker.phase("transposed_weight"):
             w.t().contiguous()  # [H, V]: a weight, not logits
-    tile = fit.fused_tile_bytes(64, fit.ModelShape("t", "", 16, 5000, 1, 1, 1, 16, 16, True))
+    tile = projection.fused_tile_bytes(64, ModelShape("t", "", 16, 5000, 1, 1, 1, 16, 16, True))
     fused = tracker.peaks["fused"]
     assert fused.peak_bytes - fused.start_bytes >= tile  # the op's internal tile is counted
     assert fused.tag_max["logits"] == 0  # its vocab chunks (4096 < V) are not logits
@@ -104,66 +109,113 @@ def test_tracker_tags_the_kv_cache_of_a_rollout_exactly():
 # ------------------------------------------------------------------------------------------------ the memory model
 
 
-def test_measured_decoder_bytes_are_the_saved_tensors_of_a_llama_layer():
+def test_measured_decoder_bytes_are_the_saved_tensors_of_a_qwen2_layer():
     # A Qwen2 layer in float32 with SDPA keeps, per token, 6H + 4I + 2 q_dim + 2 kv_dim + heads + 2 floats for its
     # backward (the measurement; this count is what it came to, and pins it: a change in transformers' layer or in
-    # the tracker shows up here first).
-    shape = bench_memory.Shape(layers=2, hidden=96, intermediate=200, heads=6, kv_heads=2, vocab=300)
-    coeffs = fit.measure_decoder(shape.config(), torch.float32)
+    # the tracker shows up here first). With a frozen base (LoRA) no weight gradient needs the MLP's inputs (H and
+    # I) or the two norms' normalised inputs (2H); each of the 4 adapters saves its [S, r] lora_A output. With
+    # activation checkpointing a layer keeps its input only, and the backward recomputes one whole layer.
+    config = bench_memory.Shape(layers=2, hidden=96, intermediate=200, heads=6, kv_heads=2, vocab=300).config()
     H, I, q, kv, heads = 96, 200, 96, 32, 6
-    assert coeffs.token == 4 * (6 * H + 4 * I + 2 * q + 2 * kv + heads + 2)
-    assert (coeffs.quad, coeffs.const) == (0.0, 0.0)
+    measure = functools.partial(calibrate_memory.measure_decoder, config, torch.float32)
+    full, lora, ckpt = measure(), measure(Training(lora_r=8)), measure(Training(checkpointing=True))
+    assert full.layer == Bytes(token=4 * (6 * H + 4 * I + 2 * q + 2 * kv + heads + 2))
+    assert lora.layer == Bytes(token=full.layer.token - 4 * (3 * H + I) + 4 * 4 * 8)
+    assert ckpt.layer == Bytes(token=4 * H)
+    assert ckpt.backward.token > full.layer.token  # one layer's activations and the gradients in flight
 
 
-@pytest.fixture(scope="module")
-def calibrated():
-    """Step constants from the calibration shape (2 layers, H=64, V=6000) and the decoder of the test model."""
-    torch.set_num_threads(1)
-    steps = {m: fit.measure_step(m, "float32") for m in ("ppo", "grpo_reference", "grpo_fused")}
-    return steps
+Bytes = projection.Bytes
 
 
-# a size the calibration did not see: 3 layers, H=128, V=9000, 2 prompts x 4 completions of 40 tokens
+class Measured:
+    """Step constants at the calibration shape and decoder coefficients of the test model, measured once each, in
+    the training modes of the calibration (LoRA at its rank)."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    @functools.cache
+    def step(self, method: str, dtype: str, mode: str) -> projection.StepBytes:
+        return calibrate_memory.measure_step(method, dtype, calibrate_memory.training_of(mode))
+
+    @functools.cache
+    def decoder(self, dtype: str, mode: str) -> projection.DecoderBytes:
+        return calibrate_memory.measure_decoder(self.spec.config(), getattr(torch, dtype),
+                                                calibrate_memory.training_of(mode))
+
+
+# a size the calibration did not see: 3 layers, H=128, V=9000, 2 prompts x 4 completions of 40 tokens; LoRA at
+# another rank (8) than the calibration's (16)
 PROJECTED = dict(layers=3, hidden=128, intermediate=352, heads=4, kv_heads=2, vocab=9000, prompts=2, group_size=4,
                  prompt_len=24, completion_len=40)
 TOLERANCE = 0.05  # every phase's projected peak within 5% of the tracked measurement
+FULL, CKPT, LORA, LORA_CKPT = Training(), Training(checkpointing=True), Training(lora_r=8), Training(8, True)
+CASES = [*((m, "float32", FULL) for m in projection.METHODS), ("grpo_fused", "float32", CKPT),
+         ("grpo_fused", "float32", LORA), *((m, "float32", LORA_CKPT) for m in ("grpo_reference", "grpo_fused",
+                                                                                 "grpo_shared")),
+         ("grpo_fused", "bfloat16", LORA_CKPT)]  # bf16 under CPU autocast: the calibration's other dtype
 
 
-@pytest.mark.parametrize("method", list(fit.METHODS))
-def test_projection_matches_a_tracked_step_within_five_percent(method, calibrated):
+@pytest.fixture(scope="module")
+def measured():
+    torch.set_num_threads(1)
+    return Measured(bench_memory.Shape(**PROJECTED))
+
+
+@pytest.mark.parametrize("method, dtype, training", CASES, ids=[f"{m}-{d}-{t.mode}" for m, d, t in CASES])
+def test_projection_matches_a_tracked_step_within_five_percent(method, dtype, training, measured):
     spec = bench_memory.Shape(**PROJECTED)
-    setup = bench_memory.setup_config(method, spec, torch.device("cpu"), torch.float32, seed=0)
+    setup = bench_memory.setup_config(method, spec, torch.device("cpu"), getattr(torch, dtype), seed=0,
+                                      training=training)
     if setup is None:
         pytest.skip(bench_memory.NOT_AVAILABLE)
     setup.step(phase=lambda _: contextlib.nullcontext())
-    measured = bench_memory.tracked_step(setup)
-    decoder = fit.measure_decoder(spec.config(), torch.float32)
+    tracked = bench_memory.tracked_step(setup)
     base = "grpo_fused" if method == "grpo_shared" else method
-    projected = fit.project(method, spec.model_shape(), fit.Step(2, 4, 24, 40), decoder, calibrated[base],
-                            compute_bytes=4, device="cpu")
-    errors = {p: sum(projected[p].values()) / measured[p].peak_bytes - 1 for p in bench_memory.PHASES}
+    projected = projection.project(method, spec.model_shape(), projection.Step(2, 4, 24, 40),
+                                   measured.decoder(dtype, training.mode), measured.step(base, dtype, training.mode),
+                                   compute_bytes=torch.empty((), dtype=getattr(torch, dtype)).element_size(),
+                                   device="cpu", training=training, calibrated_lora_r=calibrate_memory.LORA_R)
+    errors = {p: sum(projected[p].values()) / tracked[p].peak_bytes - 1 for p in bench_memory.PHASES}
     assert all(abs(e) <= TOLERANCE for e in errors.values()), {p: f"{e:+.1%}" for p, e in errors.items()}
     # the states are exact (the model counts parameters; the tracker also sees the rotary-embedding buffers)
-    buffers = sum(b.numel() * b.element_size() for m in (setup.policy, setup.ref) for b in m.buffers())
-    top = max(measured, key=lambda p: measured[p].peak_bytes)
-    assert projected[top]["weights"] == measured[top].breakdown["weights"] - buffers
+    buffers = sum(b.numel() * b.element_size() for m in (setup.policy, setup.ref) if m is not None
+                  for b in m.buffers())
+    top = max(tracked, key=lambda p: tracked[p].peak_bytes)
+    assert projected[top]["weights"] == tracked[top].breakdown["weights"] - buffers
+    steps = 4 * sum(p.requires_grad for p in setup.policy.parameters())  # AdamW's float32 step counters
+    assert projected[top]["optimizer"] == tracked[top].breakdown["optimizer"] - steps
 
 
-def test_largest_completion_is_the_last_length_that_fits(calibrated):
+def test_lora_parameter_count_is_what_the_trainer_trains():
+    spec = bench_memory.Shape(**PROJECTED)
+    policy = bench_memory.build_policy(spec.config(), torch.device("cpu"), torch.bfloat16, LORA)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trained) == spec.model_shape().lora_params(8, projection.lora_targets())
+    assert {p.dtype for p in trained} == {torch.float32}  # peft keeps the adapters in float32 over a bf16 base
+    frozen = {p.dtype for p in policy.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16}
+    assert get_model("qwen2.5-0.5b").lora_params(16, projection.lora_targets()) == 2_162_688
+
+
+def test_largest_completion_is_the_last_length_that_fits(measured):
     shape = bench_memory.Shape(**PROJECTED).model_shape()
-    decoder = fit.DecoderBytes(token=4000.0, quad=0.0, const=0.0, base=500.0, base_const=0.0, nograd=1000.0)
-    states = fit.states_bytes("grpo_fused", shape, 4)
+    decoder = projection.DecoderBytes(layer=Bytes(4000.0), outside=Bytes(500.0), forward_layer=Bytes(4000.0),
+                                      forward_outside=Bytes(600.0), backward=Bytes(1500.0), nograd=1000.0)
+    step = measured.step("grpo_fused", "float32", "full")
+    states = sum(projection.states_bytes("grpo_fused", shape, 4).values())
     budget = states + 200 * 2**20
-    T = fit.largest_completion("grpo_fused", shape, budget, 1, 8, 64, decoder, calibrated["grpo_fused"],
-                               compute_bytes=4, device="cpu")
+    T = projection.largest_completion("grpo_fused", shape, budget, 1, 8, 64, decoder, step, compute_bytes=4,
+                                      device="cpu")
 
     def total(t):
-        return fit.peak(fit.project("grpo_fused", shape, fit.Step(1, 8, 64, t), decoder, calibrated["grpo_fused"],
-                                    compute_bytes=4, device="cpu"))[0]
+        return projection.peak(projection.project("grpo_fused", shape, projection.Step(1, 8, 64, t), decoder, step,
+                                                  compute_bytes=4, device="cpu"))[0]
 
     assert T > 1 and total(T) <= budget < total(T + 1)
-    assert fit.largest_completion("ppo", shape, states, 1, 8, 64, decoder, calibrated["ppo"], compute_bytes=4,
-                                  device="cpu") == 0  # PPO's critic alone does not fit in GRPO's states
+    assert projection.largest_completion("ppo", shape, states, 1, 8, 64, decoder, measured.step("ppo", "float32",
+                                         "full"), compute_bytes=4, device="cpu") == 0  # the critic does not fit
 
 
 # ------------------------------------------------------------------------------------------------ the command
@@ -188,20 +240,51 @@ def test_parse_memory(text, expected):
                                                       "got 'lots'"),
     (["--model", "qwen2.5-0.5b", "--memory", "24GB", "--headroom", "1.5"],
      r"--headroom: expected a fraction in \[0, 1\), got 1.5"),
+    (["--model", "qwen2.5-0.5b", "--memory", "24GB", "--lora-r", "-4"], "--lora-r: expected an integer >= 0"),
 ])
 def test_fit_refuses_bad_input_naming_the_option(argv, message):
     with pytest.raises(ValueError, match=message):
         fit.main(argv)
 
 
-def test_fit_prints_a_projected_table_and_what_was_measured(tmp_path, capsys, calibrated):
-    decoder = fit.DecoderBytes(token=60000.0, quad=0.0, const=3e7, base=10000.0, base_const=0.0, nograd=30000.0)
-    calibration = dict(machine="test", date="today", decoder={"bfloat16": {"qwen2.5-0.5b": decoder.__dict__}},
-                       step={"bfloat16": {m: s.__dict__ for m, s in calibrated.items()}})
+def test_the_package_ships_the_calibration_and_never_imports_bench():
+    calibration = projection.load_calibration()  # from the package, wherever it is installed
+    assert projection.calibration_path().parent == Path(projection.__file__).parent
+    modes = {mode for dtype in ("float32", "bfloat16") for mode in calibration["decoder"][dtype]}
+    assert modes == set(projection.MODES) and calibration["lora_r"] == calibrate_memory.LORA_R
+    sources = [path.read_text() for path in Path(projection.__file__).parent.glob("*.py")]
+    assert not any(line.lstrip().startswith(("import bench", "from bench")) for text in sources
+                   for line in text.splitlines())
+
+
+def test_fit_prints_the_usual_trainings_and_lora_lets_a_7b_model_into_24gb(capsys):
+    assert fit.main(["--model", "qwen2.5-7b", "--memory", "24GB"]) == 0
+    out = capsys.readouterr().out
+    assert "MEASURED (calibration grpo_fast/memory/calibration.json" in out
+    tables = out.split("PROJECTED largest completion length T for each group size G, ")[1:]
+    assert [t.split(" (0:")[0] for t in tables] == [
+        "full fine-tuning", "full fine-tuning + activation checkpointing",
+        "LoRA r=16 on q_proj, k_proj, v_proj, o_proj + activation checkpointing"]
+
+    def row(table, G):
+        line = next(line for line in table.splitlines() if line.startswith(f"| {G} |"))
+        return [int(cell.replace(",", "")) for cell in line.strip("| ").split(" | ")[1:]]
+
+    # 7.6B parameters: full fine-tuning's states alone are 7.6 x 14 B = 99 GiB; LoRA's bf16 base is 14 GiB
+    assert row(tables[0], 1) == [0, 0, 0, 0] and row(tables[1], 1) == [0, 0, 0]
+    assert len(row(tables[2], 8)) == 3 and all(T > 0 for T in row(tables[2], 8))  # no PPO column with LoRA
+    assert fit.main(["--summary", "8", "--memory", "24GB", "--lora-r", "16"]) == 0
+    summary = capsys.readouterr().out
+    assert "LoRA r=16 on q_proj, k_proj, v_proj, o_proj:" in summary and "checkpointing" not in summary.split(
+        "MEASURED")[0]
+
+
+def test_fit_reads_another_calibration_file(tmp_path, capsys):
+    calibration = projection.load_calibration()
+    calibration["machine"] = "another machine"
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(calibration))
-    assert fit.main(["--model", "qwen2.5-0.5b", "--memory", "24GB", "--calibration", str(path)]) == 0
+    assert fit.main(["--model", "qwen2.5-0.5b", "--memory", "24GB", "--lora-r", "0", "--calibration",
+                     str(path)]) == 0
     out = capsys.readouterr().out
-    assert "PROJECTED largest completion length T" in out and "MEASURED (calibration" in out
-    rows = [line for line in out.splitlines() if line.startswith("| 8 |")]
-    assert len(rows) == 1 and int(rows[0].split("|")[4].replace(",", "")) > 0  # grpo_fused fits at G=8
+    assert f"MEASURED (calibration {path}: another machine" in out and out.count("PROJECTED") == 1

@@ -1,10 +1,11 @@
 """Shapes of real model architectures, for benchmarks and memory projections.
 
 Every value is the one in the model's published Hugging Face ``config.json`` (the hub id is on each entry). Benchmarks
-take the lm_head shape ``(hidden_size, vocab_size)`` from here instead of inventing one; memory-fit projections use
-the rest (layers, attention heads, MLP width) through :meth:`ModelShape.num_params` and :meth:`ModelShape.kv_bytes`.
+take the lm_head shape ``(hidden_size, vocab_size)`` from here instead of inventing one (``bench.models`` re-exports
+this module); ``grpo-fast fit`` uses the rest (layers, attention heads, MLP width) through
+:meth:`ModelShape.num_params`, :meth:`ModelShape.lora_params` and :meth:`ModelShape.kv_bytes`.
 
-    from bench.models import MODELS, get_model
+    from grpo_fast.memory.models import MODELS, get_model
     m = get_model("qwen2.5-7b");  m.hidden_size, m.vocab_size   # (3584, 152064)
 """
 
@@ -61,6 +62,22 @@ class ModelShape:
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return embed + lm_head + self.num_hidden_layers * layer + h  # + final norm
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{module name: (in_features, out_features)}`` of one decoder layer's projections (transformers' names)."""
+        h, i = self.hidden_size, self.intermediate_size
+        q_out, kv_out = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        return {"q_proj": (h, q_out), "k_proj": (h, kv_out), "v_proj": (h, kv_out), "o_proj": (q_out, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_params(self, r: int, targets) -> int:
+        """Parameters of rank-``r`` LoRA adapters on the ``targets`` projections of every layer: ``A [r, in]`` and
+        ``B [out, r]`` each (2,162,688 for Qwen2.5-0.5B at r = 16 on q, k, v and o)."""
+        shapes = self.linear_shapes()
+        unknown = [t for t in targets if t not in shapes]
+        if unknown:
+            raise ValueError(f"LoRA targets: {unknown} are not decoder projections ({', '.join(shapes)})")
+        return self.num_hidden_layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
 
     def kv_bytes(self, tokens: int, bytes_per_elem: int = 2) -> int:
         """KV-cache size of ``tokens`` cached positions (all layers, keys and values)."""

@@ -1,0 +1,375 @@
+"""The memory model of one training step: bytes by phase and component, from the parameter count and measured
+coefficients.
+
+The phases and components are those of ``bench/bench_memory.py`` and ``bench/memtrack.py`` (rollout, prepare,
+forward, backward, optimizer; weights, gradients, optimizer, activations, logits, critic, kv_cache). For each phase
+the model adds up what is alive at the phase's largest moment, and the step's peak is the largest phase:
+
+  states      exact from the parameter count. Full fine-tuning: float32 master weights (4 B/param), AdamW (8 B/param),
+              the frozen reference in the compute dtype; PPO adds the critic's weights and AdamW (12 B/param of decoder
+              + value head). LoRA: the frozen base in the compute dtype, float32 adapters with their AdamW states
+              (12 B per adapter parameter), no reference (it is the base with the adapters disabled)
+  gradients   exact: 4 B per trained parameter (PPO: the critic's too, which its backward makes first)
+  kv_cache    2 x layers x kv_heads x head_dim x rows x (P + T) x bytes per element, MEASURED per training mode (full
+              fine-tuning under bf16 autocast: 3, the keys leave the rotary embedding in float32; LoRA's bf16 base:
+              2); Gemma-2's sliding layers keep at most 4096 positions
+  activations MEASURED per architecture and training mode (``DecoderBytes``): one and two decoder layers of the real
+              widths, under the storage tracker at three lengths: what a training forward leaves for the backward,
+              the forward's own peak and the backward's peak beyond it, per token, per S^2 (eager attention) and
+              per layer. With activation checkpointing the forward leaves each layer's input and the backward
+              recomputes one layer at a time; under bf16 autocast the float32 weights' bf16 copies stay cached until
+              the forward ends
+  logits      MEASURED per method: the most [N, V]-sized bytes alive at once in each phase of a small full step,
+              per N x V (e.g. 3 fp32 copies in PPO's backward), times the projected N x V
+  optimizer   AdamW's step temporaries: on CPU measured (two copies of the largest trained parameter); on CUDA
+              analytic (torch's foreach AdamW keeps one fp32 temporary per trained parameter) -- not measured
+  fused loss  the fused log-prob op's tiles and row buffers: on CPU its own chunk sizes; on CUDA the 64 MiB bound of
+              DESIGN.md section 7 -- not measured
+
+LoRA ranks other than the calibrated one (``calibration["lora_r"]``) add or remove, per target projection, token and
+layer, the ``[S, r]`` output of ``lora_A`` that ``lora_B`` saves (compute-dtype bytes): analytic, checked by
+``tests/test_memory.py`` at another rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from grpo_fast.memory.models import ModelShape
+
+METHODS = {  # the bench's configurations, minus ppo_fused (a diagnostic, not a method people run)
+    "ppo": dict(ppo=True, fused=False, shared=False),
+    "grpo_reference": dict(ppo=False, fused=False, shared=False),
+    "grpo_fused": dict(ppo=False, fused=True, shared=False),
+    "grpo_shared": dict(ppo=False, fused=True, shared=True),
+}
+GEMMA2_WINDOW = 4096
+MAX_COMPLETION = 65536  # the longest T the search tries
+FUSED_CUDA_WORKSPACE = 64 * 2**20  # DESIGN.md section 7's bound on the Triton path's working memory
+
+
+def calibration_path() -> Path:
+    """The calibration shipped with the package (``grpo-fast fit --calibrate`` rewrites it in a checkout)."""
+    return Path(str(resources.files("grpo_fast.memory").joinpath("calibration.json")))
+
+
+def load_calibration(path=None) -> dict:
+    path = Path(path) if path is not None else calibration_path()
+    if not path.exists():
+        raise FileNotFoundError(f"--calibration: {path} does not exist; make it with grpo-fast fit --calibrate")
+    return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# How the policy is trained
+
+
+def lora_targets() -> tuple[str, ...]:
+    """The trainer's default ``lora_target_modules`` (the attention projections), read from ``TrainConfig``."""
+    from grpo_fast.train.config import TrainConfig
+
+    return tuple(TrainConfig().lora_target_modules)
+
+
+@dataclass(frozen=True)
+class Training:
+    """How the policy is trained, as ``grpo-fast train`` sets it up. ``lora_r`` > 0: rank-r LoRA adapters on the
+    trainer's default target modules, the frozen base stored in the compute dtype, the reference = the base with
+    the adapters disabled; ``checkpointing``: transformers' activation checkpointing of every decoder layer."""
+
+    lora_r: int = 0
+    checkpointing: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 0:
+            raise ValueError(f"--lora-r: expected an integer >= 0 (0: full fine-tuning), got {self.lora_r!r}")
+
+    @property
+    def mode(self) -> str:
+        """The calibration's key: full, full_ckpt, lora, lora_ckpt."""
+        return ("lora" if self.lora_r else "full") + ("_ckpt" if self.checkpointing else "")
+
+    def describe(self) -> str:
+        what = f"LoRA r={self.lora_r} on {', '.join(lora_targets())}" if self.lora_r else "full fine-tuning"
+        return what + (" + activation checkpointing" if self.checkpointing else "")
+
+    def methods(self) -> list[str]:
+        """PPO is modelled (and measured) for full fine-tuning without checkpointing only: the baseline."""
+        return [m for m in METHODS if not (METHODS[m]["ppo"] and self != Training())]
+
+
+MODES = ("full", "full_ckpt", "lora", "lora_ckpt")
+
+
+def trained_params(shape: ModelShape, training: Training) -> int:
+    return shape.lora_params(training.lora_r, lora_targets()) if training.lora_r else shape.num_params()
+
+
+def critic_params(shape: ModelShape) -> int:
+    """PPO's critic: the decoder (no lm_head) and a scalar value head."""
+    untied_head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+    return shape.num_params() - untied_head + shape.hidden_size
+
+
+def states_bytes(method: str, shape: ModelShape, compute_bytes: int, training: Training = Training()) -> dict:
+    """Weights, AdamW states and PPO's critic: what every phase holds."""
+    psi, trained = shape.num_params(), trained_params(shape, training)
+    if training.lora_r:  # the frozen base in the compute dtype, float32 adapters; the reference is the base
+        weights = compute_bytes * psi + 4.0 * trained
+    else:  # float32 master weights and the frozen reference in the compute dtype
+        weights = 4.0 * psi + compute_bytes * psi
+    critic = 12.0 * critic_params(shape) if METHODS[method]["ppo"] else 0.0
+    return dict(weights=weights, optimizer=8.0 * trained, critic=critic)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Measured coefficients
+
+
+@dataclass(frozen=True)
+class Bytes:
+    """``rows * (token * S + quad * S**2) + const`` bytes for ``rows`` rows of ``S`` tokens (``quad``: eager
+    attention's S x S tensors, none under flash attention)."""
+
+    token: float = 0.0
+    quad: float = 0.0
+    const: float = 0.0
+
+    def __call__(self, rows: int, length: int, flash: bool = False) -> float:
+        quad = 0.0 if flash else self.quad * length**2
+        return rows * (self.token * length + quad) + self.const
+
+
+@dataclass(frozen=True)
+class DecoderBytes:
+    """Measured activation bytes of one architecture's decoder in one compute dtype and training mode.
+
+    ``layer`` and ``outside``: what a training forward leaves alive for the backward, per decoder layer and in the
+    rest (embedding, final norm, the output); ``forward_layer`` and ``forward_outside``: the same at the forward's own
+    peak (with checkpointing: the layer inputs, autocast's cached weight copies, the running layer); ``backward``:
+    the backward's peak through the decoder beyond what the forward left (activation gradients in flight;
+    checkpointing: one layer's recomputed activations); ``nograd``: a no-grad forward's bytes per token beyond its
+    output at its peak (the reference and value passes)."""
+
+    layer: Bytes
+    outside: Bytes
+    forward_layer: Bytes
+    forward_outside: Bytes
+    backward: Bytes
+    nograd: float
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DecoderBytes":
+        return cls(**{k: Bytes(**v) if isinstance(v, dict) else v for k, v in d.items()})
+
+    def saved(self, rows: int, length: int, layers: int, flash: bool) -> float:
+        return layers * self.layer(rows, length, flash) + self.outside(rows, length, flash)
+
+    def forward_peak(self, rows: int, length: int, layers: int, flash: bool) -> float:
+        return layers * self.forward_layer(rows, length, flash) + self.forward_outside(rows, length, flash)
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Measured logits of one method's step, in one compute dtype and training mode: the most ``[*, V]``-sized bytes
+    alive at once in the rollout (per row x V), the prepare, forward and backward phases (per N x V, N = completion
+    tokens), and those alive when the backward starts (``saved``, per N x V); the KV cache's bytes per element; for
+    fused methods the fused op's working memory by phase, in fp32 tiles."""
+
+    rollout: float
+    prepare: float
+    forward: float
+    saved: float
+    backward: float
+    kv: float  # bytes per cached key or value element (full fine-tuning under autocast: 3 = (4 + 2) / 2)
+    tiles: dict
+
+
+def coefficients(calibration: dict, model: str, method: str, dtype: str,
+                 training: Training = Training()) -> tuple[DecoderBytes, StepBytes]:
+    mode = training.mode
+    try:
+        decoder = DecoderBytes.from_dict(calibration["decoder"][dtype][mode][model])
+    except KeyError:
+        raise KeyError(f"the calibration has no {dtype} {mode} decoder measurement of {model!r}; run grpo-fast fit "
+                       f"--calibrate --model {model}") from None
+    base = "grpo_fused" if method == "grpo_shared" else method
+    try:
+        step = StepBytes(**calibration["step"][dtype][mode][base])
+    except KeyError:
+        raise KeyError(f"the calibration has no {dtype} {mode} step measurement of {base}; run grpo-fast fit "
+                       "--calibrate") from None
+    return decoder, step
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The model
+
+
+@dataclass(frozen=True)
+class Step:
+    """One training step's sizes: B prompts of P tokens, G completions of T tokens each."""
+
+    prompts: int
+    group_size: int
+    prompt_len: int
+    completion_len: int
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.group_size
+
+
+def adam_temporaries(shape: ModelShape, trained: int, device: str, training: Training = Training()) -> float:
+    if device == "cuda":
+        return 4.0 * trained  # foreach AdamW: one fp32 temporary per trained parameter (analytic)
+    if training.lora_r:  # single-tensor AdamW: two temporaries of the largest adapter matrix
+        shapes = shape.linear_shapes()
+        return 2 * 4.0 * training.lora_r * max(max(shapes[t]) for t in lora_targets())
+    largest = max(shape.vocab_size, shape.intermediate_size) * shape.hidden_size  # the embedding or an MLP matrix
+    return 2 * 4.0 * largest
+
+
+def fused_tile_bytes(tokens: int, shape: ModelShape) -> int:
+    """One fp32 ``[token_chunk, vocab_chunk]`` tile of the fused log-prob op's torch path (its own chunk sizes)."""
+    from grpo_fast.logprobs_torch import LogprobParams, _chunk_sizes
+
+    t, c = _chunk_sizes(tokens, shape.vocab_size, shape.hidden_size, LogprobParams())
+    return t * c * 4
+
+
+def fused_workspace(tiles: dict, phase: str, tokens: int, shape: ModelShape, device: str) -> float:
+    """The fused log-prob op's working memory: measured tiles on CPU; on CUDA the 64 MiB bound of DESIGN.md."""
+    if device == "cuda":
+        return FUSED_CUDA_WORKSPACE
+    return tiles[phase] * fused_tile_bytes(tokens, shape)
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, length: int, element_bytes: float) -> float:
+    per_position = 2 * shape.num_key_value_heads * shape.head_dim * element_bytes * rows
+    if shape.name.startswith("gemma-2-"):  # every other layer is a sliding window
+        full, sliding = math.ceil(shape.num_hidden_layers / 2), shape.num_hidden_layers // 2
+        return per_position * (full * length + sliding * min(length, GEMMA2_WINDOW))
+    return per_position * shape.num_hidden_layers * length
+
+
+def largest(*moments: dict) -> dict:
+    return max(moments, key=lambda d: sum(d.values()))
+
+
+def project(method: str, shape: ModelShape, step: Step, decoder: DecoderBytes, logits: StepBytes, *,
+            compute_bytes: int, device: str, training: Training = Training(),
+            calibrated_lora_r: int = 16) -> dict[str, dict[str, float]]:
+    """Bytes by phase and component (the tracker's categories) of one step of ``method``; ``decoder`` and
+    ``logits`` measured in ``training.mode`` (LoRA at rank ``calibrated_lora_r``)."""
+    m = METHODS[method]
+    if method not in training.methods():
+        raise ValueError(f"{method}: modelled for full fine-tuning without activation checkpointing only")
+    H, V, L = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers
+    psi, trained, psi_critic = shape.num_params(), trained_params(shape, training), critic_params(shape)
+    R, P, T = step.rows, step.prompt_len, step.completion_len
+    S, N = P + T, R * T
+    flash, bf16, ckpt, lora = device == "cuda", compute_bytes != 4, training.checkpointing, bool(training.lora_r)
+    states = states_bytes(method, shape, compute_bytes, training)
+
+    if m["shared"]:  # one row per group: [prompt | c_1 .. c_G]; linear terms count tokens, the S^2 term per row
+        rows, length, tokens = step.prompts, P + step.group_size * T, step.prompts * P + R * T
+    else:
+        rows, length, tokens = R, S, R * S
+    saved = decoder.saved(rows, length, L, flash)  # what the backward will use
+    forward_peak = decoder.forward_peak(rows, length, L, flash)
+    backward = decoder.backward(rows, length, flash)  # beyond `saved`, while the backward runs through the decoder
+    per_layer = 0.0  # what each layer's forward makes beyond the measured decoder, saved unless checkpointed
+    if m["shared"]:
+        # the SDPA backend's per-completion copies of the prompt's keys and values, of the completions' queries and
+        # its output, which SDPA saves in the compute dtype (FlexAttention would need none: an upper bound there)
+        q_dim, kv_dim = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+        per_layer += (2 * kv_dim * R * S + 2 * q_dim * N) * compute_bytes
+    if lora and training.lora_r != calibrated_lora_r:  # lora_A's [S, r] outputs, saved for lora_B's backward
+        per_layer += len(lora_targets()) * (training.lora_r - calibrated_lora_r) * tokens * compute_bytes
+    inside = [forward_peak]  # moments inside the decoder's forward
+    if ckpt:  # made and dropped inside one layer's attention (not with its MLP's peak); again in the recompute
+        inside.append(saved + per_layer)
+        backward += per_layer
+    else:
+        saved += L * per_layer
+        inside = [forward_peak + L * per_layer]
+
+    head_trained = not lora
+    head_copy = V * H * compute_bytes if bf16 and head_trained else 0.0  # the loss's lm_head weight, cast
+    autocast_copies = compute_bytes * trained if bf16 else 0.0  # generate runs under one autocast region
+    ws = {p: fused_workspace(logits.tiles, p, N, shape, device) if m["fused"] else 0.0
+          for p in ("prepare", "forward", "backward")}
+    hidden = tokens * H * compute_bytes  # a no-grad decoder's output, alive while the loss head runs
+    d_hidden = N * H * compute_bytes  # the loss's gradient of the hidden states
+    head_grad = V * H * 4.0 if head_trained else 0.0
+
+    prepare = [dict(states, activations=decoder.nograd * tokens),  # inside the reference's decoder
+               dict(states, activations=hidden + ws["prepare"], logits=logits.prepare * N * V)]  # its log-probs
+    if m["ppo"]:  # the value pass: the critic's float32 weights are cast for it under autocast
+        prepare.append(dict(states, activations=decoder.nograd * tokens + (compute_bytes * psi_critic if bf16 else 0)))
+    phases = {
+        "rollout": dict(states, kv_cache=kv_cache_bytes(shape, R, S - 1, logits.kv), logits=logits.rollout * R * V,
+                        activations=autocast_copies),
+        "prepare": largest(*prepare),
+    }
+    # the end of the forward: what the backward will use (PPO: the critic's forward came after the actor's loss, so
+    # its activations meet the saved logits only)
+    forward_end = dict(states, activations=saved + ws["forward"], logits=logits.saved * N * V)
+    if m["ppo"]:
+        forward_end["critic"] += saved
+    phases["forward"] = largest(
+        *(dict(states, activations=a) for a in inside),
+        forward_end,
+        dict(states, activations=saved + head_copy + ws["forward"], logits=logits.forward * N * V))  # the loss
+    # the loss's backward; the fused one also holds the lm_head's gradient and d hidden while it runs. PPO: the
+    # critic's backward runs first, its gradients exist when the actor's starts
+    fused_grads = head_grad + d_hidden if m["fused"] else 0.0
+    loss_backward = dict(states, activations=saved + head_copy + ws["backward"] + fused_grads,
+                         logits=logits.backward * N * V)
+    # then the decoder's backward, the lm_head's gradient (tied: the embedding's) waiting for the embedding's part
+    decoder_backward = dict(states, activations=saved + backward + d_hidden, gradients=head_grad)
+    if m["ppo"]:
+        loss_backward["critic"] += 4.0 * psi_critic
+        decoder_backward["critic"] += 4.0 * psi_critic
+    phases["backward"] = largest(forward_end, loss_backward, decoder_backward)
+    phases["optimizer"] = dict(states, gradients=4.0 * trained,
+                               optimizer=states["optimizer"] + adam_temporaries(
+                                   shape, trained + psi_critic * m["ppo"], device, training))
+    if m["ppo"]:
+        phases["optimizer"]["critic"] += 4.0 * psi_critic
+    return phases
+
+
+def peak(phases: dict) -> tuple[float, str]:
+    totals = {p: sum(c.values()) for p, c in phases.items()}
+    top = max(totals, key=totals.get)
+    return totals[top], top
+
+
+def largest_completion(method: str, shape: ModelShape, budget: float, prompts: int, group_size: int,
+                       prompt_len: int, decoder: DecoderBytes, logits: StepBytes, *, compute_bytes: int, device: str,
+                       training: Training = Training(), calibrated_lora_r: int = 16,
+                       limit: int = MAX_COMPLETION) -> int:
+    """The largest T (0: none; ``limit``: that or more) whose projected peak fits ``budget`` bytes; memory grows
+    with T."""
+
+    def fits(T: int) -> bool:
+        phases = project(method, shape, Step(prompts, group_size, prompt_len, T), decoder, logits,
+                         compute_bytes=compute_bytes, device=device, training=training,
+                         calibrated_lora_r=calibrated_lora_r)
+        return peak(phases)[0] <= budget
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, limit
+    if fits(hi):
+        return hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
