@@ -331,12 +331,15 @@ def project(method: str, shape: ModelShape, step: Step, decoder: DecoderBytes, l
     fused_grads = head_grad + d_hidden if m["fused"] else 0.0
     loss_backward = dict(states, activations=saved + head_copy + ws["backward"] + fused_grads,
                          logits=logits.backward * N * V)
-    # then the decoder's backward, the lm_head's gradient (tied: the embedding's) waiting for the embedding's part
-    decoder_backward = dict(states, activations=saved + backward + d_hidden, gradients=head_grad)
+    # then the decoder's backward, from its last layer (the lm_head's gradient, tied: the embedding's, waiting for
+    # the embedding's part) to its first (what the first layer saved, the other layers' gradients made)
+    decoder_start = dict(states, activations=saved + backward + d_hidden, gradients=head_grad)
+    first_layer = decoder.layer(rows, length, flash) + decoder.outside(rows, length, flash) + (0 if ckpt else per_layer)
+    decoder_end = dict(states, activations=first_layer + backward, gradients=4.0 * trained)
     if m["ppo"]:
-        loss_backward["critic"] += 4.0 * psi_critic
-        decoder_backward["critic"] += 4.0 * psi_critic
-    phases["backward"] = largest(forward_end, loss_backward, decoder_backward)
+        for moment in (loss_backward, decoder_start, decoder_end):
+            moment["critic"] += 4.0 * psi_critic
+    phases["backward"] = largest(forward_end, loss_backward, decoder_start, decoder_end)
     phases["optimizer"] = dict(states, gradients=4.0 * trained,
                                optimizer=states["optimizer"] + adam_temporaries(
                                    shape, trained + psi_critic * m["ppo"], device, training))
