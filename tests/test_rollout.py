@@ -135,3 +135,30 @@ def test_prompt_chunks_concatenate_to_one_rollout(model, tok):
     keep = whole.completion_mask.bool()
     assert torch.equal(joined.completion_ids[keep], whole.completion_ids[keep])
     torch.testing.assert_close(joined.sampling_logps, whole.sampling_logps, atol=1e-9, rtol=0)
+
+
+def test_the_cache_under_autocast_holds_the_autocast_dtype_and_samples_the_same(tok, monkeypatch):
+    """float32 master weights under bf16 autocast: the rotary embedding makes float32 keys; the cache stores them in
+    bf16 (a third less memory) and the sampled tokens and their log-probs do not change."""
+    import grpo_fast.train.rollout as rollout_module
+    from transformers import DynamicCache
+
+    model = tiny_model(tok, seed=3)  # float32
+    ids, mask = _encode(tok)
+    params = SamplingParams(max_new_tokens=5, temperature=1.0)
+
+    def sample():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return generate(model, ids, mask, 4, params, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cache = rollout_module.new_cache(torch.device("cpu"))
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{rollout_module._cache_keyword(model): cache})
+    layer = cache.layers[0]
+    assert layer.keys.dtype == layer.values.dtype == torch.bfloat16
+    cast = sample()
+    monkeypatch.setattr(rollout_module, "new_cache", lambda device: DynamicCache())
+    plain = sample()
+    assert torch.equal(cast.completion_ids, plain.completion_ids)
+    assert torch.equal(cast.sampling_logps, plain.sampling_logps)

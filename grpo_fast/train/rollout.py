@@ -101,6 +101,24 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(unwrap(model).forward).parameters else "past_key_values"
 
 
+def new_cache(device: torch.device):
+    """An empty KV cache. Under autocast it stores keys and values in the autocast dtype: with float32 master weights
+    the residual stream is float32, so transformers' rotary embedding returns float32 keys (a bf16 run's cache would
+    be 1.5x its size), while attention under autocast reads them in the autocast dtype anyway: the samples are the
+    same (tests/test_rollout.py)."""
+    from transformers import DynamicCache
+
+    if not torch.is_autocast_enabled(device.type):
+        return DynamicCache()
+    dtype = torch.get_autocast_dtype(device.type)
+
+    class AutocastCache(DynamicCache):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
+    return AutocastCache()
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -118,14 +136,12 @@ def generate(
     A row stops at its first EOS (kept, and masked in) or after ``max_new_tokens``; later positions hold
     ``pad_token_id`` and mask 0. The loop ends as soon as every row has stopped.
     """
-    from transformers import DynamicCache
-
     device = prompt_ids.device
     eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=device)
     was_training = model.training
     model.eval()
     try:
-        cache = DynamicCache()  # filled in place by every forward below
+        cache = new_cache(device)  # filled in place by every forward below
         cache_kw = _cache_keyword(model)
         out = model(
             input_ids=prompt_ids,
