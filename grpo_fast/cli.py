@@ -53,9 +53,11 @@ def _train(args: argparse.Namespace) -> int:
         print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
     summary = fit(prepared)
-    if prepared.run.world.is_main:
+    world = prepared.run.world
+    if world.is_main:
         print(summary.line())
-    shutdown(prepared.run.world)
+    del prepared  # the model and its DDP/FSDP2 wrapper go before the process group they use
+    shutdown(world)
     return 0
 
 

@@ -193,7 +193,13 @@ def barrier(world: World) -> None:
 
 
 def shutdown(world: World) -> None:
+    """Leaves the process group once every rank is done. Call it after the DDP/FSDP2 modules are gone: a wrapper
+    that outlives its process group can abort the process when it is destroyed at exit."""
     if world.distributed and dist.is_initialized():
+        import gc
+
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 
