@@ -91,8 +91,10 @@ def test_two_processes_equal_one_process(tmp_path, one_process, strategy):
 
 def test_fsdp2_untied_lm_head_equals_one_process(tmp_path):
     model = save_local_model(tmp_path / "model", "llama", None)  # lm_head separate from the embeddings
-    _train(tmp_path / "one", 1, "--steps", "2", "--model", model, "--lr", "5e-4")
-    _train(tmp_path / "two", 2, "--steps", "2", "--model", model, "--lr", "5e-4", "--distributed", "fsdp2")
+    # one held-out prompt: rank 1 has none to evaluate, yet must join rank 0's generation forwards
+    options = ("--steps", "2", "--model", model, "--lr", "5e-4", "--eval-size", "1")
+    _train(tmp_path / "one", 1, *options)
+    _train(tmp_path / "two", 2, *options, "--distributed", "fsdp2")
     _assert_same(_parameters(tmp_path / "two", 2), _parameters(tmp_path / "one", 2))
 
 

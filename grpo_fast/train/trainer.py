@@ -461,10 +461,10 @@ def evaluate(run: Run) -> float | None:
     # every rank makes the same number of generation calls (FSDP2 gathers weights in each); surplus calls are empty
     calls = math.ceil(math.ceil(len(run.eval_records) / world.size) / chunk)
     for i in range(calls):
-        records = mine[i * chunk : (i + 1) * chunk] or mine[:1]
-        _, completions = rollout(run, records, 1, params)
-        if mine[i * chunk : (i + 1) * chunk]:
-            total += float(weighted_reward(run, score(run, records, completions, 1)).sum())
+        part = mine[i * chunk : (i + 1) * chunk]
+        _, completions = rollout(run, part or run.eval_records[:1], 1, params)  # a surplus call generates, unscored
+        if part:
+            total += float(weighted_reward(run, score(run, part, completions, 1)).sum())
     total, = dist_.sum_across([total], world, run.device)
     return total / len(run.eval_records)
 
