@@ -164,21 +164,6 @@ def gradient_sync(policy, sync: bool):
         yield
 
 
-@contextlib.contextmanager
-def gathered(policy):
-    """The root's parameters unsharded for direct calls of the inner model (generation) under FSDP2; the decoder
-    layers gather their own in their forward hooks."""
-    unshard = getattr(policy, "unshard", None)
-    if unshard is None:
-        yield
-        return
-    unshard()
-    try:
-        yield
-    finally:
-        policy.reshard()
-
-
 def grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     """Clips the global gradient norm (sharded DTensor gradients included); returns the norm before clipping."""
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm)

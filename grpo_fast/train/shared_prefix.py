@@ -22,6 +22,7 @@ float64 against :func:`grpo_fast.train.forward.completion_hidden` for Llama, Qwe
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -161,16 +162,11 @@ def _flex(query, key, value, layout: PrefixLayout, scaling):
               enable_gqa=key.shape[1] != query.shape[1])
 
 
-_COMPILED_FLEX = None
-
-
+@functools.cache
 def _compiled_flex():
-    global _COMPILED_FLEX
-    if _COMPILED_FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def _masks(layout: PrefixLayout, prompt_mask: torch.Tensor) -> None:
