@@ -194,9 +194,11 @@ def check_replicas(model: torch.nn.Module, world: World) -> None:
     parameter, all-gathered)."""
     if not world.distributed or world.strategy != "ddp":
         return
-    params = [p.detach().double() for p in model.parameters()]
-    local = torch.stack([sum(p.sum() for p in params), sum((p * p).sum() for p in params)])
-    every = gather_rows(local[None].to(params[0].device), world)
+    local = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
+    for p in model.parameters():  # one float64 copy at a time, not the whole model's
+        x = p.detach().double()
+        local += torch.stack([x.sum(), (x * x).sum()])
+    every = gather_rows(local[None], world)
     if not torch.equal(every, every[:1].expand_as(every)):
         raise RuntimeError(f"distributed: the DDP replicas differ across ranks (parameter checksums "
                            f"{every.tolist()}); the run is no longer one model")
