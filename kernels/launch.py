@@ -1,0 +1,100 @@
+"""How every kernel in ``grpo_fast.kernels`` is launched: one function, so that a launch is data before it runs.
+
+A launcher builds its arguments and calls ``launch(kernel, grid, *args, num_warps=..., num_stages=..., **constexprs)``.
+Normally that launches the kernel on the device of its first tensor argument (a device guard: a tensor on ``cuda:1``
+runs on ``cuda:1`` whatever the current device). Inside ``capture(target)`` it records a ``Launch`` instead and runs
+nothing, and ``current_target(device)`` answers ``target``: the static GPU gate (``bench/kernel_report.py``) calls the
+real launchers on meta tensors under a GPU target that this machine does not have, and compiles exactly what they
+would launch there, through Triton's own specialisation rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+from typing import Any, Iterator
+
+import torch
+
+_CAPTURE: contextvars.ContextVar[tuple[list, Any] | None] = contextvars.ContextVar("grpo_fast_capture", default=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One kernel launch: ``kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)``."""
+
+    kernel: Any  # a triton JITFunction (InterpretedFunction under TRITON_INTERPRET=1)
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        """``module:function`` of the kernel."""
+        fn = getattr(self.kernel, "fn", self.kernel)
+        return f"{fn.__module__}:{fn.__qualname__}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A GPU target: ``backend`` "cuda" (``arch`` the compute capability as an int, 90 for sm_90) or "hip" (``arch``
+    the gfx name); ``warp_size`` 32 or 64. The same fields as ``triton.backends.compiler.GPUTarget``."""
+
+    backend: str
+    arch: int | str
+    warp_size: int
+
+    @property
+    def family(self) -> str:
+        """The key of the launch-configuration tables: "sm80", "sm86", "sm89", "sm90", "sm100", "sm120" (other
+        capabilities map to the nearest lower one) or "cdna" (AMD)."""
+        if self.backend == "hip":
+            return "cdna"
+        known = (80, 86, 89, 90, 100, 120)
+        arch = int(self.arch)
+        return f"sm{max((k for k in known if k <= arch), default=80)}"
+
+
+def launch(kernel, grid: tuple[int, ...], *args, num_warps: int, num_stages: int, **constexprs) -> None:
+    """Launch ``kernel`` on the device of its first tensor argument, or record it inside ``capture``."""
+    recorded = _CAPTURE.get()
+    if recorded is not None:
+        recorded[0].append(Launch(kernel, tuple(grid), args, constexprs, num_warps, num_stages))
+        return
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **constexprs)
+
+
+@contextlib.contextmanager
+def capture(target: Target) -> Iterator[list[Launch]]:
+    """Record the launches made inside the block (nothing runs) as if the device were ``target``."""
+    token = _CAPTURE.set(([], target))
+    try:
+        yield _CAPTURE.get()[0]
+    finally:
+        _CAPTURE.reset(token)
+
+
+def current_target(device: torch.device) -> Target:
+    """The GPU target of ``device`` (the capture's target inside ``capture``). Under the interpreter, on a CPU
+    tensor, a stand-in sm_90 target: the interpreter ignores launch configurations, only the tile sizes matter."""
+    recorded = _CAPTURE.get()
+    if recorded is not None:
+        return recorded[1]
+    if device.type != "cuda":
+        return Target("cuda", 90, 32)
+    return _device_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _device_target(index: int) -> Target:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        return Target("hip", props.gcnArchName.split(":")[0], 64)
+    return Target("cuda", props.major * 10 + props.minor, 32)
