@@ -81,6 +81,11 @@ def capture(target: Target) -> Iterator[list[Launch]]:
         _CAPTURE.reset(token)
 
 
+def capturing() -> bool:
+    """Inside ``capture``: launchers choose as on the capture's target, even under the interpreter."""
+    return _CAPTURE.get() is not None
+
+
 def current_target(device: torch.device) -> Target:
     """The GPU target of ``device`` (the capture's target inside ``capture``). Under the interpreter, on a CPU
     tensor, a stand-in sm_90 target: the interpreter ignores launch configurations, only the tile sizes matter."""

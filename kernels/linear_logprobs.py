@@ -13,17 +13,34 @@ logits tile and writes ``dz = (g (onehot - p) - ge p (log p + H)) / temperature 
 shared chunk loop of ``grpo_fast.logprobs_torch`` (vocab chunks outer, so each dW chunk is written once: no fp32
 ``V x H`` buffer, no atomics, deterministic). Rows whose upstream gradients are exactly zero are never visited.
 
-Limits: the grid is ``cdiv(N, BLOCK_N)`` programs on axis 0 (no 65535 limit); offsets are int64. Under
-TRITON_INTERPRET=1 tiles are upcast to fp32 before ``tl.dot`` (UPCAST), since the interpreter's bf16 dot is wrong.
+Specialisations. Every constexpr combination is a separate compile on the user's GPU (and in the static gate,
+``bench/kernel_report.py``), so only what changes the code's cost is a constexpr: the input dtype, RETURN_ENTROPY
+(the forward's extra sum) and the tile configuration. Bias, softcap and which upstream gradients exist are runtime
+flags (uniform branches: a handful of elementwise ops per tile next to the ``tl.dot``). Sizes (N, V, R, C) only mask,
+so Triton does not specialise them; H and the row strides keep Triton's divisibility-by-16 specialisation (vector
+loads), as do the pointers (16-byte alignment). Per input dtype a launcher therefore produces 2 forward and 1
+backward specialisations, times aligned / unaligned inputs.
+
+Launch configurations (tiles, warps, stages) come from ``CONFIGS``, keyed on the GPU family (``launch.Target.family``)
+and the input dtype; each entry is held by the static gate to zero spills, shared memory within the family's limit and
+tensor-core instructions on every target of the family. float32 inputs reach these kernels on a GPU only when the user
+allowed TF32 matmuls (``grpo_fast.dispatch``): their ``tl.dot`` then runs in TF32, like cuBLAS would.
+
+Limits: the grid is ``cdiv(N, BLOCK_N)`` programs on axis 0 (no 65535 limit); element offsets are int64 (V * H may
+exceed 2^31). Under TRITON_INTERPRET=1 tiles are upcast to fp32 before an IEEE ``tl.dot`` (UPCAST), since the
+interpreter's bf16 dot is wrong, and the interpreter gets few large tiles (it runs one program per tile in numpy).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from grpo_fast.dispatch import triton_interpreting
+from grpo_fast.kernels.launch import capturing, current_target, launch
 
 
 @triton.jit
@@ -34,25 +51,26 @@ def _tanh(x):
 
 @triton.jit
 def _logits_tile(
-    h_ptr, w_ptr, b_ptr, rn, rv, nmask, vmask, H, stride_h, stride_w, inv_temp, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    h_ptr, w_ptr, b_ptr, rn, rv, nmask, vmask, H, stride_h, stride_w, inv_temp, softcap, has_bias, has_softcap,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
-    """Shaped fp32 logits ``[BLOCK_N, BLOCK_V]`` (-inf past V) and tanh(raw / softcap) for the chain rule."""
+    """Shaped fp32 logits ``[BLOCK_N, BLOCK_V]`` (-inf past V) and tanh(raw / softcap) for the chain rule.
+    ``rn`` and ``rv`` are int64 (``rv * stride_w`` reaches V * H)."""
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         rh = h0 + tl.arange(0, BLOCK_H)
         hmask = rh < H
         a = tl.load(h_ptr + rn[:, None] * stride_h + rh[None, :], mask=nmask[:, None] & hmask[None, :], other=0.0)
         b = tl.load(w_ptr + rv[:, None] * stride_w + rh[None, :], mask=vmask[:, None] & hmask[None, :], other=0.0)
-        if UPCAST:  # fp32 inputs, or any input under the interpreter: exact fp32 products (no TF32)
+        if UPCAST:  # under the interpreter: exact fp32 products
             acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-        else:  # bf16 / fp16 tensor-core dot, fp32 accumulation
-            acc = tl.dot(a, tl.trans(b), acc)
-    if HAS_BIAS:
+        else:  # bf16 / fp16 tensor-core dot (fp32 inputs: TF32), fp32 accumulation
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+    if has_bias:
         acc += tl.load(b_ptr + rv, mask=vmask, other=0.0).to(tl.float32)[None, :]
     u = acc
-    if HAS_SOFTCAP:
+    if has_softcap:
         u = _tanh(acc / softcap)
         acc = softcap * u
     z = acc * inv_temp
@@ -60,18 +78,20 @@ def _logits_tile(
     return z, u
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "V", "has_bias", "has_softcap"])
 def _linear_logprob_fwd(
     h_ptr,  # [N, H] hidden, row stride stride_h
     w_ptr,  # [V, H] weight, row stride stride_w
-    b_ptr,  # [V] bias (HAS_BIAS)
+    b_ptr,  # [V] bias (read when has_bias)
     y_ptr,  # [N] int64 target ids
     logp_ptr,  # [N] fp32 out
     ent_ptr,  # [N] fp32 out (RETURN_ENTROPY)
     m_ptr,  # [N] fp32 out: running max
     logs_ptr,  # [N] fp32 out: log sum exp(z - m)
     N, V, H, stride_h, stride_w, inv_temp, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, RETURN_ENTROPY: tl.constexpr, UPCAST: tl.constexpr,
+    has_bias,  # int 0/1
+    has_softcap,  # int 0/1
+    RETURN_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
@@ -84,10 +104,10 @@ def _linear_logprob_fwd(
     t = tl.zeros((BLOCK_N,), tl.float64)
     zy = tl.zeros((BLOCK_N,), tl.float32)
     for v0 in range(0, V, BLOCK_V):
-        rv = v0 + tl.arange(0, BLOCK_V)
+        rv = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
         vmask = rv < V
         z, u = _logits_tile(h_ptr, w_ptr, b_ptr, rn, rv, nmask, vmask, H, stride_h, stride_w, inv_temp, softcap,
-                            HAS_BIAS, HAS_SOFTCAP, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+                            has_bias, has_softcap, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H)
         zy += tl.sum(tl.where(rv[None, :] == y[:, None], z, 0.0), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
         delta = tl.where(s > 0, m - m_new, 0.0)  # m = -inf before the first tile, where s = t = 0
@@ -106,19 +126,20 @@ def _linear_logprob_fwd(
         tl.store(ent_ptr + rn, log_s - (t / s).to(tl.float32), mask=nmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R", "C", "has_bias", "has_softcap", "has_g", "has_ge"])
 def _linear_logprob_dlogits(
     h_ptr,  # [R, H] hidden rows of this slab
     w_ptr,  # [C, H] weight rows of this vocab chunk
-    b_ptr,  # [C] bias of this chunk (HAS_BIAS)
+    b_ptr,  # [C] bias of this chunk (read when has_bias)
     y_ptr,  # [R] target ids, already shifted by the chunk start
     stat_ptr,  # [R, 3] fp32: m, log s, entropy
-    g_ptr,  # [R] fp32 d loss / d logp (HAS_G)
-    ge_ptr,  # [R] fp32 d loss / d entropy (HAS_GE)
+    g_ptr,  # [R] fp32 d loss / d logp (read when has_g)
+    ge_ptr,  # [R] fp32 d loss / d entropy (read when has_ge)
     dz_ptr,  # [R, C] out: d loss / d raw logits, in dz_ptr's dtype
     R, C, H, stride_h, stride_w, inv_temp, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
-    UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    has_bias, has_softcap, has_g, has_ge,  # ints 0/1
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
 ):
     pid_n = tl.program_id(0).to(tl.int64)
     pid_v = tl.program_id(1).to(tl.int64)
@@ -127,33 +148,87 @@ def _linear_logprob_dlogits(
     nmask = rn < R
     vmask = rv < C
     z, u = _logits_tile(h_ptr, w_ptr, b_ptr, rn, rv, nmask, vmask, H, stride_h, stride_w, inv_temp, softcap,
-                        HAS_BIAS, HAS_SOFTCAP, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H)
+                        has_bias, has_softcap, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H)
     m = tl.load(stat_ptr + rn * 3, mask=nmask, other=0.0)
     log_s = tl.load(stat_ptr + rn * 3 + 1, mask=nmask, other=0.0)
     logp = (z - m[:, None]) - log_s[:, None]
     p = tl.exp(logp)
     dz = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
-    if HAS_GE:
+    if has_ge:
         ent = tl.load(stat_ptr + rn * 3 + 2, mask=nmask, other=0.0)
         ge = tl.load(ge_ptr + rn, mask=nmask, other=0.0)
         dz -= p * tl.where(vmask[None, :], logp + ent[:, None], 0.0) * ge[:, None]
-    if HAS_G:
+    if has_g:
         g = tl.load(g_ptr + rn, mask=nmask, other=0.0)
         y = tl.load(y_ptr + rn, mask=nmask, other=-1)
         onehot = (rv[None, :] == y[:, None]).to(tl.float32)
         dz += g[:, None] * (onehot - p)
     dz = dz * inv_temp
-    if HAS_SOFTCAP:
+    if has_softcap:
         dz = dz * (1.0 - u * u)
     out_mask = nmask[:, None] & vmask[None, :]
     tl.store(dz_ptr + rn[:, None] * C + rv[None, :], dz.to(dz_ptr.dtype.element_ty), mask=out_mask)
 
 
-def _blocks(H: int):
-    interpret = triton_interpreting()
-    if interpret:  # the interpreter runs a program per tile in numpy: few, large tiles are fastest
-        return 32, 128, min(128, triton.next_power_of_2(H))
-    return 64, 128, 64
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch configuration: a ``[BLOCK_N, BLOCK_V]`` logits tile built from ``BLOCK_H``-wide slices of H."""
+
+    block_n: int
+    block_v: int
+    block_h: int
+    num_warps: int
+    num_stages: int
+
+
+# (GPU family, "16bit" | "tf32", aligned) -> (forward, backward dz) configurations. Every entry passes the static
+# gate on every target of its family (bench/kernel_report.py, tests/test_kernel_gate.py): no spills, shared memory
+# within the per-block limit, tensor-core instructions. Chosen by compiling candidates through the gate, not tuned on
+# hardware (no GPU has run them yet). 8 warps keep the fp32 [BLOCK_N, BLOCK_V] tile and its exp temporaries under
+# the register cap where 4 warps sit at 255 registers (sm_80, sm_90a) or spill (sm_120). Unaligned inputs (a
+# misaligned ``hidden`` view, H or a row stride not a multiple of 16) load element by element, which costs registers
+# for addresses: a 32-wide H slice keeps them spill-free on sm_80/86/89 and CDNA. fp32 (TF32) tiles are twice the
+# bytes of 16-bit ones: the 32-wide slice keeps three stages within 99 KiB of shared memory. sm_100a caps these
+# kernels at 128 registers a thread: the 16-bit forward without entropy spilled 24 bytes at 3 stages and spills
+# nothing at 4 (98 KiB of its 227 KiB).
+_WIDE = TileConfig(64, 128, 64, 8, 3)
+_NARROW = TileConfig(64, 128, 32, 8, 3)
+CONFIGS: dict[tuple[str, str, bool], tuple[TileConfig, TileConfig]] = {
+    (family, kind, aligned): (cfg, cfg)
+    for family in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "cdna")
+    for kind, aligned, cfg in (("16bit", True, _WIDE), ("16bit", False, _NARROW), ("tf32", True, _NARROW),
+                               ("tf32", False, _NARROW))
+}
+CONFIGS[("sm100", "16bit", True)] = (TileConfig(64, 128, 64, 8, 4),) * 2
+_INTERPRET_BLOCKS = (32, 128, 128)  # the interpreter runs one program per tile in numpy: few, large tiles are fastest
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Whether Triton specialises every pointer and row stride of these ``[rows, H]`` tensors (and H) as divisible by
+    16 (bytes for pointers, elements for strides), i.e. whether it can vectorise their loads."""
+    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[-1] % 16 == 0 for t in tensors)
+
+
+def tile_configs(device: torch.device, dtype: torch.dtype, h: int, is_aligned: bool) -> tuple[TileConfig, TileConfig]:
+    """The (forward, backward) launch configurations for inputs of ``dtype``, hidden size ``h`` and alignment on
+    ``device``."""
+    if triton_interpreting() and not capturing():
+        block_n, block_v, block_h = _INTERPRET_BLOCKS
+        cfg = TileConfig(block_n, block_v, min(block_h, triton.next_power_of_2(h)), 4, 1)
+        return cfg, cfg
+    kind = "tf32" if dtype == torch.float32 else "16bit"
+    return CONFIGS[(current_target(device).family, kind, is_aligned)]
+
+
+def _precision(device: torch.device, dtype: torch.dtype) -> tuple[bool, str | None]:
+    """(UPCAST, PRECISION): the interpreter's exact fp32 dot; else the hardware dot: 16-bit inputs at the backend's
+    default, fp32 inputs in TF32 where the target has it (CDNA2 has not: IEEE there)."""
+    if triton_interpreting() and not capturing():
+        return True, "ieee"
+    if dtype != torch.float32:
+        return False, None
+    target = current_target(device)
+    return False, "ieee" if (target.backend, target.arch) == ("hip", "gfx90a") else "tf32"
 
 
 def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softcap, return_entropy):
@@ -168,13 +243,16 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
     log_s = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return logps, (ent if return_entropy else None), m, log_s
-    block_n, block_v, block_h = _blocks(h)
-    _linear_logprob_fwd[(triton.cdiv(n, block_n),)](
+    cfg = tile_configs(dev, hidden.dtype, h, aligned(hidden, weight))[0]
+    upcast, precision = _precision(dev, hidden.dtype)
+    launch(
+        _linear_logprob_fwd, (triton.cdiv(n, cfg.block_n),),
         hidden, weight, weight if bias is None else bias, target_ids, logps, ent, m, log_s,
         n, v, h, hidden.stride(0), weight.stride(0), 1.0 / temperature, 1.0 if softcap is None else softcap,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, RETURN_ENTROPY=return_entropy,
-        UPCAST=triton_interpreting() or hidden.dtype == torch.float32,
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h,
+        int(bias is not None), int(softcap is not None),
+        RETURN_ENTROPY=return_entropy, UPCAST=upcast, PRECISION=precision,
+        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return logps, (ent if return_entropy else None), m, log_s
 
@@ -185,15 +263,16 @@ def linear_logprob_dlogits(h_rows, w_chunk, bias_chunk, y_local, stats, g, ge, t
     r, h = h_rows.shape
     c = w_chunk.shape[0]
     dz = torch.empty(r, c, dtype=out_dtype, device=h_rows.device)
-    block_n, block_v, block_h = _blocks(h)
-    grid = (triton.cdiv(r, block_n), triton.cdiv(c, block_v))
+    cfg = tile_configs(h_rows.device, h_rows.dtype, h, aligned(h_rows, w_chunk))[1]
+    upcast, precision = _precision(h_rows.device, h_rows.dtype)
     dummy = stats
-    _linear_logprob_dlogits[grid](
+    launch(
+        _linear_logprob_dlogits, (triton.cdiv(r, cfg.block_n), triton.cdiv(c, cfg.block_v)),
         h_rows, w_chunk, dummy if bias_chunk is None else bias_chunk, y_local, stats,
         dummy if g is None else g, dummy if ge is None else ge, dz,
         r, c, h, h_rows.stride(0), w_chunk.stride(0), 1.0 / temperature, 1.0 if softcap is None else softcap,
-        HAS_BIAS=bias_chunk is not None, HAS_SOFTCAP=softcap is not None, HAS_G=g is not None, HAS_GE=ge is not None,
-        UPCAST=triton_interpreting() or h_rows.dtype == torch.float32,
-        BLOCK_N=block_n, BLOCK_V=block_v, BLOCK_H=block_h,
+        int(bias_chunk is not None), int(softcap is not None), int(g is not None), int(ge is not None),
+        UPCAST=upcast, PRECISION=precision, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return dz
