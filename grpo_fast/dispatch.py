@@ -1,7 +1,11 @@
 """The one resolver that picks an implementation for every op (DESIGN.md §6).
 
 ``auto`` means ``triton`` for CUDA tensors when the Triton path is available, ``torch`` elsewhere; ``reference`` is
-only ever chosen explicitly. The choice is logged once per (op, impl, device type) at debug level.
+only ever chosen explicitly. Two exceptions send CUDA tensors to the torch path under ``auto``: float64 (the kernels
+compute in float32), and float32 log-probs from hidden states unless the user allowed TF32 matmuls
+(``torch.backends.cuda.matmul.allow_tf32`` or ``torch.set_float32_matmul_precision("high")``): the kernel's fp32
+``tl.dot`` runs on tensor cores only in TF32, so exact fp32 goes to cuBLAS through the chunked torch path, as the
+user's own fp32 matmuls would. The choice is logged once per (op, impl, device type) at debug level.
 """
 
 from __future__ import annotations
@@ -42,16 +46,35 @@ def _log_choice(op: str, impl: str, device_type: str) -> None:
     logger.debug("grpo_fast.%s: using impl=%r on %s", op, impl, device_type)
 
 
-def resolve_impl(impl: str, device: torch.device, op: str, dtype: torch.dtype | None = None) -> str:
-    """Turn ``impl`` (one of IMPLS) into the concrete implementation to run on ``device`` for ``dtype``.
+# ops whose Triton kernel multiplies hidden states by the lm_head weight (a tl.dot): float32 needs TF32 there
+MATMUL_OPS = ("fused_logprobs", "grpo_loss")
 
-    float64 always runs on the torch path under ``auto`` (the kernels compute in float32).
-    """
+
+def tf32_allowed() -> bool:
+    """Whether the user allowed TF32 for float32 matmuls (PyTorch's own switch, which cuBLAS follows too)."""
+    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+
+
+def auto_impl(device: torch.device, op: str, dtype: torch.dtype | None) -> tuple[str, str]:
+    """What ``auto`` picks for ``op`` on ``device`` for inputs of ``dtype``, and why (one short phrase)."""
+    if device.type != "cuda":
+        return "torch", f"{device.type} tensors"
+    if not triton_available():
+        return "torch", "triton is not installed"
+    if dtype == torch.float64:
+        return "torch", "float64 (the kernels compute in float32)"
+    if dtype == torch.float32 and op in MATMUL_OPS and not tf32_allowed():
+        return "torch", "float32 without TF32 allowed: exact fp32 matmuls by cuBLAS"
+    return "triton", "CUDA tensors"
+
+
+def resolve_impl(impl: str, device: torch.device, op: str, dtype: torch.dtype | None = None) -> str:
+    """Turn ``impl`` (one of IMPLS) into the concrete implementation to run on ``device`` for ``dtype``
+    (see ``auto_impl`` for what ``auto`` picks)."""
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
     if impl == "auto":
-        use_triton = device.type == "cuda" and triton_available() and dtype != torch.float64
-        impl = "triton" if use_triton else "torch"
+        impl = auto_impl(device, op, dtype)[0]
     if impl == "triton" and dtype == torch.float64:
         raise ValueError(f"{op}: impl='triton' computes in float32 and takes float32, bfloat16 or float16 inputs, "
                          "got float64; use impl='torch' (or 'auto') for float64")
