@@ -88,9 +88,9 @@ def loss_scale(config: GRPOLossConfig, m: torch.Tensor, num_items_in_batch) -> t
     if loss_type == LossType.BNPO:
         return 1.0 / m.sum().clamp(min=1.0)
     if loss_type == LossType.DR_GRPO:
-        return m.new_tensor(1.0 / (B * (config.max_completion_length or T)))
+        return torch.full((), 1.0 / (B * (config.max_completion_length or T)), dtype=m.dtype, device=m.device)
     if loss_type == LossType.LUSPO:
-        return m.new_tensor(1.0 / B)
+        return torch.full((), 1.0 / B, dtype=m.dtype, device=m.device)
     if num_items_in_batch is None:  # DAPO, CISPO, VESPO
         return 1.0 / m.sum().clamp(min=1.0)
     return 1.0 / torch.as_tensor(num_items_in_batch, dtype=m.dtype, device=m.device).clamp(min=1.0)

@@ -4,6 +4,11 @@
 ``grpo_fast::logprobs_fwd`` / ``logprobs_bwd``: the chunked log-prob forward and backward (``impl`` "torch" or
 "triton"). ``grpo_fast::loss_terms``: the GRPO loss, ``d loss / d logp``, ``d loss / d entropy`` and the metrics
 (NaN where undefined) in one call. Absent optional outputs are empty tensors (custom ops return tensors only).
+
+CUDA graphs. ``logprobs_bwd`` finds the rows with a non-zero upstream gradient (``nonzero``, a host sync) and
+``loss_terms`` selects the masked entropies for the top-entropy quantile (boolean indexing); both are tagged
+``torch.Tag.cudagraph_unsafe``, so ``torch.compile(mode="reduce-overhead")`` runs them outside the captured graphs
+(Inductor partitions around them) instead of failing at capture. ``logprobs_fwd`` has no host sync.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ def _(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, im
     return out, ent, hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc)
 
 
-@torch.library.custom_op("grpo_fast::logprobs_bwd", mutates_args=())
+@torch.library.custom_op("grpo_fast::logprobs_bwd", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def logprobs_bwd(
     hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, m: Tensor, log_s: Tensor,
     entropy: Tensor | None, g: Tensor | None, ge: Tensor | None, temperature: float, softcap: float | None,
@@ -89,12 +94,17 @@ def _logprobs_setup(ctx, inputs, output):
     _, ent, m, log_s = output
     ctx.save_for_backward(hidden, weight, target_ids, bias, m, log_s, ent)
     ctx.options = (temperature, softcap, impl, vocab_chunk, token_chunk)
+    # an output nobody differentiated arrives as None, not as zeros: an unused entropy must not select the
+    # entropy-gradient kernel variant (or its extra work) for nothing
+    ctx.set_materialize_grads(False)
 
 
 def _logprobs_backward(ctx, g, ge, _gm, _gl):
     hidden, weight, target_ids, bias, m, log_s, ent = ctx.saved_tensors
     temperature, softcap, impl, vocab_chunk, token_chunk = ctx.options
     need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
+    if g is None and ge is None:
+        return None, None, None, None, None, None, None, None, None, None
     gh, gw, gb = logprobs_bwd(hidden, weight, target_ids, bias, m, log_s, ent, g, ge if not _absent(ent) else None,
                               temperature, softcap, need_h, need_w, need_b, impl, vocab_chunk, token_chunk)
     grads = (gh if need_h else None), (gw if need_w else None), None, (gb if need_b else None)
@@ -128,7 +138,7 @@ def _terms_fn(impl: str):
     return grpo_loss_terms
 
 
-@torch.library.custom_op("grpo_fast::loss_terms", mutates_args=())
+@torch.library.custom_op("grpo_fast::loss_terms", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def loss_terms(
     logp: Tensor, entropy: Tensor | None, advantages: Tensor, mask: Tensor, old_logps: Tensor | None,
     ref_logps: Tensor | None, sampling_ratio: Tensor | None, num_items_in_batch: Tensor | None, config_json: str,
@@ -157,9 +167,12 @@ def _(logp, entropy, advantages, mask, old_logps, ref_logps, sampling_ratio, num
 def _loss_setup(ctx, inputs, output):
     _, dlogp, dent, _ = output
     ctx.save_for_backward(dlogp, dent)
+    ctx.set_materialize_grads(False)
 
 
 def _loss_backward(ctx, g_loss, _g_dlogp, _g_dent, _g_metrics):
+    if g_loss is None:
+        return None, None, None, None, None, None, None, None, None, None
     dlogp, dent = ctx.saved_tensors
     g_ent = None if _absent(dent) or not ctx.needs_input_grad[1] else dent * g_loss
     return (dlogp * g_loss if ctx.needs_input_grad[0] else None), g_ent, None, None, None, None, None, None, None, None
