@@ -1,0 +1,494 @@
+"""The static GPU gate: every Triton launch grpo-fast can make, compiled for 8 GPU targets on a CPU-only machine.
+
+    python -m bench.kernel_report                  # compile what is missing, write bench/results/kernel_report.csv
+    python -m bench.kernel_report --recompile      # compile everything afresh
+    python -m bench.kernel_report --verify 6       # also recompile 6 rows and check them against the CSV
+    python -m bench.kernel_report --json rows.json # the rows as JSON as well (the tests read this)
+
+How. Each launcher (``grpo_fast.kernels.*``) launches through ``grpo_fast.kernels.launch.launch``; inside
+``launch.capture(target)`` that records the launch instead of running it and tells the launcher which GPU it is on, so
+the launcher picks its configuration for that target. The report calls the real launchers on meta tensors (no memory,
+any size) over a grid of inputs: every input dtype, every option flag, aligned inputs (16-byte pointers, H and row
+strides divisible by 16) and unaligned ones (a misaligned view of ``hidden``, odd H), and the option grid of the loss.
+Each recorded launch goes through Triton's own binder (``create_function_from_signature`` and ``_pack_args``, what
+``JITFunction.run`` does before it compiles), so the signature, constexprs and divisibility attributes are exactly
+those a launch on that GPU would compile; launches that specialise alike are compiled once. Every tile configuration
+in a launcher's table is also compiled for every target, not only where the launcher picks it.
+
+What a row says. ``registers`` and ``spill_bytes`` (stack + local memory per thread) from the cubin through the
+``cuobjdump`` bundled with Triton's NVIDIA backend, ``tensor_cores`` from its SASS (HMMA / HGMMA / UTC*MMA); on AMD
+from the amdgcn assembly (``.vgpr_count``; spills are the scratch a VGPR spill needs, the private segment: SGPRs
+spilled into VGPR lanes cost no memory traffic; MFMA instructions). ``shared_bytes`` is Triton's
+dynamic shared memory (LDS on AMD). ``chosen`` is 1 where the launcher picks this configuration on this target.
+
+Cache. A compile takes seconds; the CSV doubles as the cache. Each row carries ``key``, a hash of the Triton version,
+the kernel's source (``JITFunction.cache_key``, which covers the jit functions it calls), the specialisation and the
+target: a row is reused only while all four are unchanged, so editing a kernel makes its rows stale and they are
+compiled again. ``--verify`` recompiles rows and fails if the CSV disagrees with the compiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import csv
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+if os.environ.get("TRITON_INTERPRET") == "1":  # the gate compiles real GPU code: the interpreter must be off
+    sys.exit("bench.kernel_report: unset TRITON_INTERPRET (the report compiles for GPU targets, it interprets nothing)")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import create_function_from_signature  # noqa: E402
+
+from grpo_fast.kernels.launch import Launch, Target, capture  # noqa: E402
+
+CSV_PATH = Path(__file__).resolve().parent / "results" / "kernel_report.csv"
+KIB = 1024
+# name -> (target, per-block shared memory limit in bytes: the opt-in maximum of one thread block)
+TARGETS: dict[str, tuple[Target, int]] = {
+    "sm_80": (Target("cuda", 80, 32), 163 * KIB),
+    "sm_86": (Target("cuda", 86, 32), 99 * KIB),
+    "sm_89": (Target("cuda", 89, 32), 99 * KIB),
+    "sm_90a": (Target("cuda", 90, 32), 227 * KIB),
+    "sm_100a": (Target("cuda", 100, 32), 227 * KIB),
+    "sm_120": (Target("cuda", 120, 32), 99 * KIB),
+    "gfx90a": (Target("hip", "gfx90a", 64), 64 * KIB),
+    "gfx942": (Target("hip", "gfx942", 64), 64 * KIB),
+}
+COLUMNS = ("kernel", "target", "dtype", "num_warps", "num_stages", "constexprs", "registers", "spill_bytes",
+           "shared_bytes", "tensor_cores", "offsets_64bit", "shared_limit", "chosen", "aligned", "cases", "compile_s",
+           "error", "key")
+_TENSOR_CORE_SASS = re.compile(r"\b(HMMA|HGMMA|UTC\w*MMA|IMMA|QGMMA)\b")
+_MFMA = re.compile(r"\bv_(s?mfma|wmma)\w*")
+
+
+# ------------------------------------------------------------------------------------------------ the launch grid
+def _meta(shape, dtype, offset_cols: int = 0) -> torch.Tensor:
+    """A meta tensor of ``shape``; ``offset_cols`` > 0 makes it a view that starts that many elements into a wider
+    buffer (a misaligned pointer and a row stride that is not a multiple of 16, as a sliced ``hidden`` has)."""
+    if not offset_cols:
+        return torch.empty(shape, dtype=dtype, device="meta")
+    rows, cols = shape
+    return torch.empty(rows, cols + offset_cols, dtype=dtype, device="meta")[:, offset_cols:]
+
+
+def _logprob_launches():
+    """(description, thunk) for the forward and backward log-prob launchers over dtypes, flags and alignment."""
+    from grpo_fast.kernels.linear_logprobs import linear_logprob_forward
+    from grpo_fast.logprobs_torch import LogprobParams
+    from grpo_fast.logprobs_triton import triton_tile_grad
+
+    n, v = 4096, 151936
+    for dtype, aligned in itertools.product((torch.float32, torch.bfloat16, torch.float16), (True, False)):
+        h = 4096 if aligned else 4095
+        for bias, softcap, entropy in itertools.product((False, True), repeat=3):
+            def fwd(dtype=dtype, h=h, aligned=aligned, bias=bias, softcap=softcap, entropy=entropy):
+                hidden = _meta((n, h), dtype, 0 if aligned else 1)
+                weight = _meta((v, h), dtype)
+                linear_logprob_forward(hidden, weight, _meta((n,), torch.int64), _meta((v,), dtype) if bias else None,
+                                       0.7, 30.0 if softcap else None, entropy)
+            yield f"forward {dtype} bias={bias} softcap={softcap} entropy={entropy}", dtype, aligned, fwd
+        for bias, softcap, grads in itertools.product((False, True), (False, True), ("g", "ge", "g+ge")):
+            def bwd(dtype=dtype, h=h, aligned=aligned, bias=bias, softcap=softcap, grads=grads):
+                r, c = 2048, 4096
+                weight = _meta((c + 1, h), dtype)
+                w_c = weight[0 if aligned else 1:][:c]  # a vocab chunk that starts on an odd row when unaligned
+                col = lambda: _meta((r, 1), torch.float32)  # noqa: E731
+                params = LogprobParams(0.7, 30.0 if softcap else None, "ge" in grads)
+                triton_tile_grad(_meta((r, h), dtype), w_c, _meta((c,), torch.float32) if bias else None,
+                                 _meta((r,), torch.int64), _meta((r,), torch.float32) if "g" in grads.split("+") else None,
+                                 _meta((r,), torch.float32) if "ge" in grads else None, col(), col(),
+                                 col() if "ge" in grads else None, 0, c, params, torch.float32)
+            yield f"backward dz {dtype} bias={bias} softcap={softcap} grads={grads}", dtype, aligned, bwd
+
+
+def _loss_launches():
+    """The GRPO loss launcher over its option grid (every loss type and option that reaches the kernel)."""
+    from grpo_fast.config import GRPOLossConfig, LossType
+    from grpo_fast.kernels.grpo_loss import grpo_loss_terms_triton
+
+    b, t = 16, 1024
+    for dtype, aligned in itertools.product((torch.float32, torch.float64), (True, False)):
+        tt = t if aligned else t - 1
+        for lt, level, beta, bias_kl, delta, old, adv_tok, ratio, q in itertools.product(
+                list(LossType), ("token", "sequence"), (0.0, 0.04), (False, True), (None, 2.0), (False, True),
+                (False, True), (None, "token", "sequence"), (1.0, 0.5)):
+            if delta is not None and not LossType(lt).is_clip_family:
+                continue
+            config = GRPOLossConfig(loss_type=lt, importance_sampling_level=level, beta=beta,
+                                    use_bias_correction_kl=bias_kl, delta=delta, top_entropy_quantile=q,
+                                    epsilon_high=5.0 if lt == LossType.CISPO else None)
+
+            def run(dtype=dtype, tt=tt, config=config, old=old, adv_tok=adv_tok, ratio=ratio):
+                f = lambda *shape: _meta(shape, dtype)  # noqa: E731
+                grpo_loss_terms_triton(
+                    f(b, tt), f(b, tt) if adv_tok else f(b, 1), torch.empty(b, tt, dtype=torch.bool, device="meta"),
+                    old_logps=f(b, tt) if old else None, ref_logps=f(b, tt) if config.beta else None,
+                    sampling_ratio=None if ratio is None else (f(b, tt) if ratio == "token" else f(b, 1)),
+                    num_items_in_batch=None, entropy=f(b, tt), config=config)
+            yield f"loss {dtype} {config.loss_type.value} {level}", dtype, aligned, run
+
+
+def _advantage_launches():
+    from grpo_fast.kernels.group_advantages import SCALE_GIVEN, SCALE_GROUP, SCALE_NONE, segment_normalize
+
+    for dtype, n, scale, zero_flat in itertools.product((torch.float32, torch.float64), (7, 64, 5000),
+                                                       (SCALE_NONE, SCALE_GROUP, SCALE_GIVEN), (False, True)):
+        def run(dtype=dtype, n=n, scale=scale, zero_flat=zero_flat):
+            x = _meta((n,), dtype)
+            segment_normalize(x, _meta((n,), torch.int64), _meta((n // 4 + 1,), torch.int64), scale, 1e-4,
+                              divisor=_meta((), dtype) if scale == SCALE_GIVEN else None, zero_flat=zero_flat)
+        yield f"advantages {dtype} n={n} scale={scale} zero_flat={zero_flat}", dtype, True, run
+
+
+def _config_launches():
+    """Every tile configuration of the log-prob launchers' table, on every target (not only where it is chosen):
+    the bf16 forward and backward at each distinct configuration."""
+    from grpo_fast.kernels import linear_logprobs as ll
+
+    for fwd_cfg, bwd_cfg in sorted(set(ll.CONFIGS.values()), key=repr):
+        def run(fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg):
+            table = dict(ll.CONFIGS)
+            try:  # every family picks this configuration for the one launch
+                ll.CONFIGS.update({k: (fwd_cfg, bwd_cfg) for k in table})
+                hidden = _meta((4096, 4096), torch.bfloat16)
+                ll.linear_logprob_forward(hidden, _meta((151936, 4096), torch.bfloat16), _meta((4096,), torch.int64),
+                                          None, 1.0, None, True)
+                from grpo_fast.logprobs_torch import LogprobParams
+                from grpo_fast.logprobs_triton import triton_tile_grad
+                col = lambda: _meta((2048, 1), torch.float32)  # noqa: E731
+                triton_tile_grad(_meta((2048, 4096), torch.bfloat16), _meta((4096, 4096), torch.bfloat16), None,
+                                 _meta((2048,), torch.int64), _meta((2048,), torch.float32), None, col(), col(), None,
+                                 0, 4096, LogprobParams(), torch.float32)
+            finally:
+                ll.CONFIGS.clear()
+                ll.CONFIGS.update(table)
+        yield f"table configuration {fwd_cfg} / {bwd_cfg}", torch.bfloat16, True, run
+
+
+GRIDS = {"logprobs": _logprob_launches, "loss": _loss_launches, "advantages": _advantage_launches}
+
+
+def launch_grid(kernels=tuple(GRIDS)):
+    """Every (description, input dtype, aligned, thunk) the report runs under each target."""
+    for name in kernels:
+        yield from GRIDS[name]()
+
+
+# ------------------------------------------------------------------------------------ Triton's specialisation
+@dataclasses.dataclass
+class Spec:
+    """One compile: a launch after Triton's binder, for one target."""
+
+    launch: Launch
+    target_name: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    key: str
+    dtype: str
+    aligned: bool
+    chosen: bool
+    cases: list[str]
+
+    def constexprs_json(self) -> str:
+        names = list(self.signature)
+        return json.dumps({names[path[0]]: _plain(v) for path, v in sorted(self.constexprs.items())}, sort_keys=True)
+
+
+def _plain(v):
+    return v.value if hasattr(v, "value") else v if isinstance(v, (int, float, str, bool)) or v is None else repr(v)
+
+
+def _gpu_target(target: Target) -> GPUTarget:
+    return GPUTarget(target.backend, target.arch, target.warp_size)
+
+
+_BINDERS: dict = {}
+
+
+def specialise(launch: Launch, target: Target) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) exactly as ``JITFunction.run`` would build them on ``target``."""
+    kernel = launch.kernel
+    backend_key = (id(kernel), target)
+    if backend_key not in _BINDERS:
+        backend = make_backend(_gpu_target(target))
+        _BINDERS[backend_key] = (backend, create_function_from_signature(kernel.signature, kernel.params, backend))
+    backend, binder = _BINDERS[backend_key]
+    kwargs = dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
+    kwargs["debug"] = False
+    bound, specialization, options = binder(*launch.args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return signature, constexprs, attrs, options.__dict__
+
+
+def _key(launch: Launch, target_name: str, signature, constexprs, attrs, options) -> str:
+    blob = json.dumps([triton.__version__, launch.kernel.cache_key, target_name, signature,
+                       sorted((list(k), _plain(v)) for k, v in constexprs.items()),
+                       sorted((list(k), v) for k, v in attrs.items()),
+                       sorted((k, repr(v)) for k, v in options.items())], default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def enumerate_specs(targets=TARGETS, kernels=tuple(GRIDS)) -> list[Spec]:
+    """Every distinct compile the launchers can produce on each target, plus every table configuration."""
+    specs: dict[str, Spec] = {}
+    for name, (target, _) in targets.items():
+        for grid, chosen in ((launch_grid(kernels), True), (_config_launches(), False)):
+            for desc, dtype, aligned, thunk in grid:
+                with capture(target) as launches:
+                    thunk()
+                for launch in launches:
+                    sig, cex, attrs, opts = specialise(launch, target)
+                    key = _key(launch, name, sig, cex, attrs, opts)
+                    if key in specs:
+                        specs[key].chosen |= chosen
+                        specs[key].cases.append(desc)
+                        continue
+                    specs[key] = Spec(launch, name, sig, cex, attrs, opts, key, str(dtype).replace("torch.", ""),
+                                      aligned, chosen, [desc])
+    return list(specs.values())
+
+
+# -------------------------------------------------------------------------------------------------- compiling
+def _tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def _cuda_resources(cubin: bytes, kernel_name: str) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+    field = lambda k: int(re.search(rf"\b{k}:(\d+)", line).group(1))  # noqa: E731
+    return dict(registers=field("REG"), spill_bytes=field("STACK") + field("LOCAL"), static_shared=field("SHARED"),
+                tensor_cores=int(bool(_TENSOR_CORE_SASS.search(sass))))
+
+
+def _amd_resources(asm: str) -> dict:
+    def meta(k):
+        found = re.findall(rf"\.{k}:\s+(\d+)", asm)
+        return max(map(int, found)) if found else 0
+
+    # spills that cost memory traffic go to scratch (the private segment); SGPRs spilled into VGPR lanes do not
+    return dict(registers=meta("vgpr_count"),
+                spill_bytes=max(meta("private_segment_fixed_size"), 4 * meta("vgpr_spill_count")),
+                static_shared=0, tensor_cores=int(bool(_MFMA.search(asm))))
+
+
+def offsets_64bit(ttir: str) -> str:
+    """For kernels that index the ``[V, H]`` weight by ``stride_w``: "1" if the compiled code widens ``stride_w`` to
+    i64 before any multiply (``rv * stride_w`` reaches V * H >= 2^31), "0" if it multiplies it as i32; "" otherwise."""
+    if "%stride_w:" not in ttir:
+        return ""
+    widened = re.search(r"arith\.extsi %stride_w : i32 to i64", ttir) is not None
+    narrow = re.search(r"tt\.splat %stride_w : i32 -> tensor<[^>]*xi32>|arith\.muli [^\n]*%stride_w\b[^\n]*: i32", ttir)
+    return "1" if widened and narrow is None else "0"
+
+
+def compile_spec(spec: Spec) -> dict:
+    """Compile one spec; its row (resources, or the error)."""
+    target, limit = TARGETS[spec.target_name]
+    launch = spec.launch
+    row = dict(kernel=launch.name, target=spec.target_name, dtype=spec.dtype, num_warps=launch.num_warps,
+               num_stages=launch.num_stages, constexprs=spec.constexprs_json(), shared_limit=limit,
+               chosen=int(spec.chosen), aligned=int(spec.aligned), cases=len(spec.cases), key=spec.key, error="")
+    t0 = time.perf_counter()
+    try:
+        src = ASTSource(launch.kernel, spec.signature, spec.constexprs, spec.attrs)
+        compiled = triton.compile(src, target=_gpu_target(target), options=spec.options)
+        if target.backend == "cuda":
+            res = _cuda_resources(compiled.asm["cubin"], compiled.metadata.name)
+        else:
+            res = _amd_resources(compiled.asm["amdgcn"])
+        row.update(registers=res["registers"], spill_bytes=res["spill_bytes"], tensor_cores=res["tensor_cores"],
+                   shared_bytes=max(compiled.metadata.shared, res["static_shared"]),
+                   offsets_64bit=offsets_64bit(compiled.asm["ttir"]))
+    except Exception as e:  # a configuration that does not compile is a row of the report, and fails the gate
+        row.update(registers="", spill_bytes="", shared_bytes="", tensor_cores="", offsets_64bit="",
+                   error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+    row["compile_s"] = round(time.perf_counter() - t0, 2)
+    return row
+
+
+def _compile_key(key: str) -> dict:  # a worker process rebuilds the specs (cheap) and compiles one
+    return compile_spec(next(s for s in _worker_specs() if s.key == key))
+
+
+_SPECS_CACHE: list[Spec] | None = None
+_KERNELS = tuple(GRIDS)
+
+
+def _worker_specs() -> list[Spec]:
+    global _SPECS_CACHE
+    if _SPECS_CACHE is None:
+        _SPECS_CACHE = enumerate_specs(kernels=_KERNELS)
+    return _SPECS_CACHE
+
+
+def read_csv(path: Path = CSV_PATH) -> dict[str, dict]:
+    if not path.exists():
+        return {}
+    with open(path, newline="") as f:
+        return {row["key"]: row for row in csv.DictReader(line for line in f if not line.startswith("#"))}
+
+
+def write_csv(rows: list[dict], path: Path = CSV_PATH, command: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        f.write(f"# {command or 'python -m bench.kernel_report'} | triton {triton.__version__} | "
+                f"torch {torch.__version__} | {time.strftime('%Y-%m-%d')} | CPU-only machine, compiled for GPU targets\n")
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for row in sorted(rows, key=lambda r: (r["kernel"], r["target"], r["dtype"], r["constexprs"], r["key"])):
+            w.writerow(row)
+    tmp.replace(path)
+
+
+MISSING = "missing from the CSV: rerun python -m bench.kernel_report"
+
+
+def build(recompile: bool = False, workers: int = 2, verify: int = 0, progress=print,
+          kernels=tuple(GRIDS), cached_only: bool = False) -> tuple[list[dict], list[str]]:
+    """Rows for every spec (from the CSV where its key is unchanged, else compiled, or with ``cached_only`` marked
+    MISSING); ``verify`` rows recompiled and compared. Returns (rows, problems found by verification)."""
+    global _KERNELS, _SPECS_CACHE
+    _KERNELS, _SPECS_CACHE = tuple(kernels), None
+    specs = _worker_specs()
+    cached = {} if recompile else read_csv()
+    todo = [s for s in specs if s.key not in cached]
+    rows = {s.key: cached[s.key] for s in specs if s.key in cached}
+    if cached_only:
+        for s in todo:
+            rows[s.key] = dict(kernel=s.launch.name, target=s.target_name, dtype=s.dtype, constexprs=s.constexprs_json(),
+                               num_warps=s.launch.num_warps, num_stages=s.launch.num_stages, registers="",
+                               spill_bytes="", shared_bytes="", tensor_cores="", offsets_64bit="",
+                               shared_limit=TARGETS[s.target_name][1], aligned=int(s.aligned), key=s.key, compile_s="",
+                               error=MISSING)
+        todo = []
+    progress(f"kernel_report: {len(specs)} compiles over {len(TARGETS)} targets; {len(rows)} from the CSV, "
+             f"{len(todo)} to compile")
+    problems = []
+    # the verification sample: the chosen 16-bit log-prob launches on three targets, compiled afresh (an empty
+    # Triton cache directory in the workers) and compared with the CSV
+    sample = [s for s in specs if s.chosen and s.dtype == "bfloat16" and s.key in cached
+              and s.target_name in ("sm_90a", "sm_120", "gfx942") and "linear_logprob" in s.launch.name]
+    by_target: dict[str, list[Spec]] = {}
+    for spec in sorted(sample, key=lambda s: (not s.aligned, s.launch.name, s.key)):
+        by_target.setdefault(spec.target_name, []).append(spec)
+    sample = [spec for group in zip(*by_target.values()) for spec in group][:verify]  # round-robin over targets
+    t0 = time.perf_counter()
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
+        for i, row in enumerate(pool.map(_compile_key, [s.key for s in todo]), 1):
+            rows[row["key"]] = row
+            if i % 10 == 0 or i == len(todo):
+                progress(f"kernel_report: {i}/{len(todo)} compiled ({time.perf_counter() - t0:.0f} s)")
+    if sample:
+        with tempfile.TemporaryDirectory() as cache_dir, concurrent.futures.ProcessPoolExecutor(
+                max_workers=max(1, workers), initializer=os.environ.__setitem__,
+                initargs=("TRITON_CACHE_DIR", cache_dir)) as pool:
+            for row in pool.map(_compile_key, [s.key for s in sample]):
+                old = rows[row["key"]]
+                for col in ("registers", "spill_bytes", "shared_bytes", "tensor_cores", "offsets_64bit"):
+                    if str(old[col]) != str(row[col]):
+                        problems.append(f"{row['kernel']} on {row['target']}: CSV says {col}={old[col]}, "
+                                        f"the compiler says {row[col]}")
+    if sample:
+        progress(f"kernel_report: verified {len(sample)} rows against a fresh compile, {len(problems)} mismatches")
+    return [rows[s.key] | {"chosen": int(s.chosen), "cases": len(s.cases)} for s in specs], problems
+
+
+def gate_failures(row: dict) -> list[str]:
+    """Why a row fails the gate: it must compile; a launch the launcher chooses on its target must also fit that
+    target's shared memory and not spill, and a chosen 16-bit log-prob launch must use tensor cores. (A table
+    configuration compiled on a target it is not chosen for only has to compile.)"""
+    if row["error"]:
+        return [f"does not compile: {row['error']}"]
+    out = []
+    if int(row["chosen"]) and int(row["shared_bytes"]) > int(row["shared_limit"]):
+        out.append(f"shared memory {row['shared_bytes']} > {row['shared_limit']}")
+    if int(row["chosen"]) and row["dtype"] in ("bfloat16", "float16") and "linear_logprob" in row["kernel"]:
+        if int(row["spill_bytes"]):
+            out.append(f"spills {row['spill_bytes']} bytes")
+        if not int(row["tensor_cores"]):
+            out.append("no tensor-core instructions")
+    if int(row["chosen"]) and int(row["spill_bytes"]):
+        out.append(f"spills {row['spill_bytes']} bytes")
+    if row["offsets_64bit"] == "0":
+        out.append("weight offsets computed in int32")
+    return sorted(set(out))
+
+
+def summary(rows: list[dict]) -> str:
+    """The README table in short: per kernel and target, how many specialisations compile, and over the launches
+    the launchers choose there: the most registers, spill bytes and shared memory, and tensor cores in 16-bit."""
+    lines = ["| kernel | target | compile | chosen: max registers | spill bytes | max shared KiB (limit) | tensor cores |",
+             "|---|---|---:|---:|---:|---|---|"]
+    by = {}
+    for r in rows:
+        by.setdefault((r["kernel"].split(":")[1], r["target"]), []).append(r)
+    for (kernel, target), rs in sorted(by.items(), key=lambda kv: (kv[0][0], list(TARGETS).index(kv[0][1]))):
+        compiled = [r for r in rs if not r["error"]]
+        ok = [r for r in compiled if int(r["chosen"])]
+        tc = {int(r["tensor_cores"]) for r in ok if r["dtype"] in ("bfloat16", "float16")}
+        lines.append(f"| `{kernel}` | {target} | {len(compiled)}/{len(rs)} | {max(int(r['registers']) for r in ok)} | "
+                     f"{max(int(r['spill_bytes']) for r in ok)} | {max(int(r['shared_bytes']) for r in ok) / KIB:.0f} "
+                     f"({int(rs[0]['shared_limit']) // KIB}) | {'yes' if tc == {1} else 'n/a' if not tc else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.kernel_report", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p.add_argument("--recompile", action="store_true", help="ignore the CSV cache and compile everything")
+    p.add_argument("--verify", type=int, default=0, metavar="K", help="recompile K cached rows and compare")
+    p.add_argument("--workers", type=int, default=2, help="compile processes (default 2)")
+    p.add_argument("--json", metavar="FILE", help="also write the rows and the gate failures as JSON")
+    p.add_argument("--no-write", action="store_true", help="do not rewrite the CSV")
+    p.add_argument("--cached-only", action="store_true",
+                   help="compile nothing but the --verify sample: launches missing from the CSV are reported as such")
+    p.add_argument("--summary", action="store_true", help="print the short table for README.md")
+    p.add_argument("--kernels", nargs="+", choices=list(GRIDS), default=list(GRIDS),
+                   help="launcher families to include (default: all; the CSV is written only for all)")
+    args = p.parse_args(argv)
+    rows, problems = build(args.recompile, args.workers, args.verify, progress=lambda s: print(s, file=sys.stderr),
+                           kernels=args.kernels, cached_only=args.cached_only)
+    if not args.no_write and set(args.kernels) == set(GRIDS):
+        write_csv(rows, command="python -m bench.kernel_report " + " ".join(argv if argv is not None else sys.argv[1:]))
+    failures = {r["key"]: gate_failures(r) for r in rows}
+    failures = {k: v for k, v in failures.items() if v}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "verify_problems": problems, "failures": failures}))
+    if args.summary:
+        print(summary(rows))
+    for r in rows:
+        if r["key"] in failures:
+            print(f"GATE FAIL {r['kernel']} {r['target']} {r['dtype']} {r['constexprs']}: "
+                  f"{'; '.join(failures[r['key']])}", file=sys.stderr)
+    for msg in problems:
+        print(f"VERIFY FAIL {msg}", file=sys.stderr)
+    print(f"kernel_report: {len(rows)} rows, {len(failures)} fail the gate, {len(problems)} verification mismatches",
+          file=sys.stderr)
+    return 1 if failures or problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""GPU-only behaviour checked on the CPU (issue 12): which path ``auto`` picks, the device guard, launches as data,
+no all-zero entropy gradient, CUDA-graph tags, and the log-prob kernel with scalars rounded as hardware passes them."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from helpers import as_leaves, make_batch
+
+import grpo_fast.ops as ops
+from grpo_fast import GRPOLossConfig, fused_logprobs, grpo_loss
+from grpo_fast.dispatch import auto_impl, resolve_impl, triton_interpreting
+from grpo_fast.testing import assert_close_rule
+
+CUDA = torch.device("cuda")
+interpreted = pytest.mark.skipif(not triton_interpreting(), reason="runs the Triton kernels in the interpreter")
+
+
+@pytest.fixture
+def strict_fp32(monkeypatch):
+    saved = torch.backends.cuda.matmul.allow_tf32  # a module with its own __setattr__: no monkeypatch.setattr
+    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+@pytest.mark.parametrize("op", ["fused_logprobs", "grpo_loss"])
+def test_auto_sends_fp32_matmuls_to_cublas_unless_tf32_is_allowed(monkeypatch, strict_fp32, op):
+    assert resolve_impl("auto", CUDA, op, torch.float32) == "torch"
+    assert "cuBLAS" in auto_impl(CUDA, op, torch.float32)[1]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert resolve_impl("auto", CUDA, op, dtype) == "triton"
+    assert resolve_impl("auto", CUDA, op, torch.float64) == "torch"
+    assert resolve_impl("triton", CUDA, op, torch.float32) == "triton"  # asked for explicitly: the TF32 kernel
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    assert resolve_impl("auto", CUDA, op, torch.float32) == "triton"
+
+
+def test_auto_keeps_elementwise_ops_on_triton_in_fp32(strict_fp32):
+    """The loss on given log-probs and the advantages have no matmul: fp32 stays on the kernels."""
+    assert resolve_impl("auto", CUDA, "grpo_loss_from_logps", torch.float32) == "triton"
+    assert resolve_impl("auto", CUDA, "group_advantages", torch.float32) == "triton"
+    assert resolve_impl("auto", torch.device("cpu"), "grpo_loss", torch.bfloat16) == "torch"
+
+
+def test_launch_runs_on_the_device_of_its_tensors(monkeypatch):
+    """A tensor on cuda:1 launches on cuda:1 whatever the current device (the guard wraps the launch)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from grpo_fast.kernels import launch as launch_mod
+
+    entered, launched = [], []
+
+    @contextlib.contextmanager
+    def fake_device(device):
+        entered.append(torch.device(device))
+        yield
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launched.append((grid, entered[-1] if entered else None, kw))
+
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    with FakeTensorMode():
+        x = torch.empty(4, device="cuda:1")
+    launch_mod.launch(Kernel(), (3,), x, 1.0, num_warps=8, num_stages=3, BLOCK=64)
+    assert entered == [torch.device("cuda:1")]
+    assert launched == [((3,), torch.device("cuda:1"), dict(num_warps=8, num_stages=3, BLOCK=64))]
+
+
+def test_launchers_are_data_under_capture():
+    """Inside ``capture`` the log-prob launchers record their launches (nothing runs) with the configuration the
+    target's table gives, so the static gate compiles what a launch would run."""
+    from grpo_fast.kernels.launch import Target, capture
+    from grpo_fast.kernels.linear_logprobs import CONFIGS, linear_logprob_forward
+
+    meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
+    for target, family in ((Target("cuda", 90, 32), "sm90"), (Target("hip", "gfx942", 64), "cdna")):
+        with capture(target) as launches:
+            linear_logprob_forward(meta(1000, 4096), meta(32000, 4096), meta(1000, dtype=torch.int64), None, 1.0,
+                                   None, True)
+        (one,) = launches
+        cfg = CONFIGS[(family, "16bit", True)][0]
+        assert one.grid == (-(-1000 // cfg.block_n),) and one.num_warps == cfg.num_warps
+        assert one.constexprs["BLOCK_H"] == cfg.block_h and one.name.endswith(":_linear_logprob_fwd")
+
+
+def _record_logprob_backward(monkeypatch):
+    calls = []
+    real = ops.logprobs_bwd
+
+    def spy(*args):
+        calls.append(dict(g=args[7], ge=args[8]))
+        return real(*args)
+
+    monkeypatch.setattr(ops, "logprobs_bwd", spy)
+    return calls
+
+
+def test_unused_entropy_sends_no_entropy_gradient(monkeypatch):
+    """An entropy that was returned but not differentiated reaches the backward as None, not as zeros (which would
+    select the entropy-gradient kernel variant and its extra work for nothing)."""
+    calls = _record_logprob_backward(monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 16, generator=gen, requires_grad=True)
+    weight = torch.randn(33, 16, generator=gen, requires_grad=True)
+    targets = torch.randint(0, 33, (7,), generator=gen)
+    logps, ent = fused_logprobs(hidden, weight, targets, return_entropy=True, impl="torch")
+    logps.sum().backward()
+    assert calls[-1]["ge"] is None and calls[-1]["g"] is not None
+
+    batch = make_batch(B=2, T=9, H=16, V=33, seed=1)
+    for coef, want_ge in ((0.0, False), (0.01, True)):
+        leaves = as_leaves({k: v for k, v in batch.items() if k not in ("bias", "sampling_ratio")}, torch.float32)
+        config = GRPOLossConfig(loss_type="grpo", top_entropy_quantile=0.5, entropy_coef=coef)
+        grpo_loss(**leaves, config=config, impl="torch").loss.backward()
+        assert (calls[-1]["ge"] is not None) == want_ge, coef
+        if want_ge:
+            assert calls[-1]["ge"].abs().sum() > 0
+
+
+def test_host_syncing_ops_are_kept_out_of_cuda_graphs():
+    """The ops with host syncs carry ``cudagraph_unsafe``, which Inductor reads to run them outside the graphs that
+    ``mode="reduce-overhead"`` captures; the forward op has no sync and no tag."""
+    from torch._inductor.utils import is_cudagraph_unsafe_fx_node
+
+    graph = torch.fx.Graph()
+    for op, unsafe in ((torch.ops.grpo_fast.logprobs_bwd.default, True),
+                       (torch.ops.grpo_fast.loss_terms.default, True),
+                       (torch.ops.grpo_fast.logprobs_fwd.default, False)):
+        assert (torch.Tag.cudagraph_unsafe in op.tags) == unsafe, op
+        node = graph.call_function(op, ())
+        assert is_cudagraph_unsafe_fx_node(node) == unsafe, op
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_logprob_kernels_with_scalars_rounded_as_hardware_passes_them(monkeypatch, dtype):
+    """On a GPU a Python float argument reaches the kernel as fp32 (the interpreter passes a double): rerun the
+    forward and backward kernels with every float argument rounded through float32 and hold the result to the rule."""
+    import grpo_fast.kernels.linear_logprobs as ll
+
+    real = ll.launch
+    rounded = []
+
+    def fp32_scalars(kernel, grid, *args, **kw):
+        args = tuple(float(np.float32(a)) if isinstance(a, float) else a for a in args)
+        rounded.extend(a for a in args if isinstance(a, float))
+        return real(kernel, grid, *args, **kw)
+
+    monkeypatch.setattr(ll, "launch", fp32_scalars)
+    gen = torch.Generator().manual_seed(5)
+    n, h, v = 29, 48, 1151
+    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) / h**0.5
+    bias = torch.randn(v, generator=gen, dtype=torch.float64)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    g, ge = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    def run(impl, dtype_):
+        h_, w_, b_ = (x.to(dtype_).requires_grad_(True) for x in (hidden, weight, bias))
+        logps, ent = fused_logprobs(h_, w_, targets, bias=b_, temperature=0.7, softcap=3.3, return_entropy=True,
+                                    impl=impl)
+        ((logps * g.to(logps.dtype)).sum() + (ent * ge.to(ent.dtype)).sum()).backward()
+        return logps, ent, h_.grad, w_.grad, b_.grad
+
+    out = run("triton", dtype)
+    assert float(np.float32(1 / 0.7)) in rounded and float(np.float32(1 / 0.7)) != 1 / 0.7  # really rounded
+    pt, ref = run("reference", dtype), run("reference", torch.float64)
+    for name, a, b, c in zip(("logps", "entropy", "d hidden", "d weight", "d bias"), out, pt, ref):
+        assert_close_rule(a, b, c, dtype, name)
