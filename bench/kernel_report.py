@@ -158,6 +158,8 @@ def _config_launches():
     """Every tile configuration of the log-prob launchers' table, on every target (not only where it is chosen):
     the bf16 forward and backward at each distinct configuration."""
     from grpo_fast.kernels import linear_logprobs as ll
+    from grpo_fast.logprobs_torch import LogprobParams
+    from grpo_fast.logprobs_triton import triton_tile_grad
 
     for fwd_cfg, bwd_cfg in sorted(set(ll.CONFIGS.values()), key=repr):
         def run(fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg):
@@ -167,8 +169,6 @@ def _config_launches():
                 hidden = _meta((4096, 4096), torch.bfloat16)
                 ll.linear_logprob_forward(hidden, _meta((151936, 4096), torch.bfloat16), _meta((4096,), torch.int64),
                                           None, 1.0, None, True)
-                from grpo_fast.logprobs_torch import LogprobParams
-                from grpo_fast.logprobs_triton import triton_tile_grad
                 col = lambda: _meta((2048, 1), torch.float32)  # noqa: E731
                 triton_tile_grad(_meta((2048, 4096), torch.bfloat16), _meta((4096, 4096), torch.bfloat16), None,
                                  _meta((2048,), torch.int64), _meta((2048,), torch.float32), None, col(), col(), None,
