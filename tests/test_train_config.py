@@ -114,5 +114,6 @@ def test_documented_example_config_loads():
 
 
 def test_a_bool_in_a_file_is_not_a_number():
-    with pytest.raises(ValueError, match="TrainConfig.temperature must be in"):
+    with pytest.raises(ValueError, match=r"TrainConfig.temperature: expected float, got True \(bool, expected a "
+                                         "number\)"):
         build_config({"temperature": True})
