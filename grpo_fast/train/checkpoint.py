@@ -162,6 +162,15 @@ def _numpy():
     return numpy
 
 
+def seed_rngs(seed: int) -> None:
+    """Seeds every generator :func:`rng_state` saves (torch's seeds the CUDA devices' too)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np = _numpy()
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
 def rng_state() -> dict:
     """The global generators a step may draw from (a reward function, say): Python's ``random``, numpy's global
     one (when numpy is installed), torch's CPU generator and every CUDA device's."""

@@ -246,7 +246,7 @@ def _plain(value, hint, where: str | None):
     ``numbers`` (numpy scalars included) become int or float; a str, list or bool must be one. Other hints
     (enums, dataclasses) are left to the field's own validation."""
     prefix = f"{where} is " if where else ""
-    is_bool = isinstance(value, bool) or type(value).__name__ == "bool_"  # numpy's bool is no subclass of bool
+    is_bool = isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")  # numpy's is no bool subclass
     if hint is bool:
         if not is_bool:
             raise ValueError(f"{prefix}{type(value).__name__}, expected true or false")

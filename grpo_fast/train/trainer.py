@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import math
-import random
 import signal
 import tempfile
 import threading
@@ -137,8 +136,7 @@ def setup(config: TrainConfig) -> Run:
     threads = config.threads or (1 if config.model == "tiny" else None)
     if threads:
         torch.set_num_threads(threads)
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    ckpt.seed_rngs(config.seed)  # Python's, numpy's and torch's: a reward function may draw from any
     # full fine-tuning keeps float32 master weights; with LoRA the frozen base is stored in the compute dtype
     model, tokenizer = load_model_and_tokenizer(config, device, dtype if config.lora_r else torch.float32)
     check_head(model, len(tokenizer), device)
