@@ -241,3 +241,17 @@ def test_ctrl_c_in_a_real_process_saves_and_resumes(tmp_path):
     command[command.index("--steps") + 1] = str(step + 1)
     assert main(command) == 0
     assert [s["step"] for s in read_steps(out / "metrics.jsonl")] == list(range(1, step + 2))
+
+
+def test_ctrl_c_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch):
+    from grpo_fast.train import trainer
+
+    def interrupted(run):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "evaluate", interrupted)  # Ctrl-C in the before-evaluation
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--output-dir", str(out)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "grpo-fast train: interrupted before the first step; nothing was trained or saved"
+    assert not any(out.iterdir())  # the rerun needs no --overwrite

@@ -116,7 +116,8 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")
     resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir")
     overwrite: bool = _f(False, "start over in an output_dir that holds an earlier run (its checkpoints are deleted)")
-    seed: int = _f(0, "seeds the model init, the prompt order and the sampling")
+    seed: int = _f(0, "seeds the model init, the prompt order, the sampling and the global Python, numpy and torch "
+                   "generators (which a reward function may draw from)")
 
     def __post_init__(self):
         if isinstance(self.loss, dict):

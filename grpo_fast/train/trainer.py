@@ -570,6 +570,8 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
     world = run.world
     found = ckpt.list_checkpoints(directory)
     if not found:
+        if world.is_main and ckpt.remove_stale_temporaries(directory):  # a save killed before any completed
+            logger.warning("removed the partial checkpoint left by an interrupted save")
         logger.info("resume: no checkpoint in %s, starting from step 0", directory)
         return False
     damaged = []
