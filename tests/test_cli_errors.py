@@ -208,8 +208,9 @@ def test_ctrl_c_finishes_the_step_and_saves_it(tmp_path, monkeypatch):
 
 def test_a_second_ctrl_c_abandons_the_step(tmp_path, monkeypatch):
     _interrupting_step(monkeypatch, at_step=3, times=2)
-    with pytest.raises(TrainingInterrupted, match=r"stopped by a second Ctrl-C in step 3 of 4, which is lost; the "
-                                                  r"newest checkpoint is .*checkpoint-000002.pt") as info:
+    with pytest.raises(TrainingInterrupted, match=r"stopped at once by a second Ctrl-C after 2 of 4 steps; the newest "
+                                                  r"checkpoint is .*checkpoint-000002.pt \(step 2\), later steps are "
+                                                  r"lost$") as info:
         fit(prepare(small_config(tmp_path, steps=4, save_every=2)))
     assert not info.value.clean and info.value.step == 2
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]

@@ -750,11 +750,12 @@ def fit(prepared: Prepared) -> Summary:
     except TrainingInterrupted:
         raise
     except KeyboardInterrupt:
-        found = ckpt.list_checkpoints(ckpt_dir)
+        found = ckpt.list_checkpoints(ckpt_dir)  # (a save cut short left only a temporary, removed on resume)
         newest = found[-1][1] if found else None
         raise TrainingInterrupted(
-            f"stopped by a second Ctrl-C in step {run.step + 1} of {config.steps}, which is lost; "
-            + (f"the newest checkpoint is {newest}" if newest else "no checkpoint was saved"),
+            f"stopped at once by a second Ctrl-C after {run.step} of {config.steps} steps; "
+            + (f"the newest checkpoint is {newest} (step {found[-1][0]}), later steps are lost" if newest
+               else "no checkpoint was saved"),
             run.step, newest, clean=False) from None
     finally:
         bar.close()
