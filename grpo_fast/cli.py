@@ -33,7 +33,7 @@ class Parser(argparse.ArgumentParser):
         if unknown != message:
             known = [o for a in self._actions for o in a.option_strings]
             flags = [w for w in unknown.split() if w.startswith("-")]
-            near = difflib.get_close_matches(flags[0].split("=")[0], known, n=1) if flags else []
+            near = difflib.get_close_matches(flags[0].split("=")[0], known, n=1, cutoff=0.75) if flags else []
             message = f"unknown option(s): {unknown}" + (f"; did you mean {near[0]}?" if near else "")
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
