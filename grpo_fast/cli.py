@@ -64,6 +64,8 @@ def resume_command(argv: list[str]) -> str:
     """The command line that continues this run: the same options, ``--overwrite`` dropped and ``--resume`` added."""
     ran_as_module = bool(sys.argv) and Path(sys.argv[0]).parts[-2:] == ("grpo_fast", "__main__.py")
     prog = "python -m grpo_fast" if ran_as_module else "grpo-fast"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its launcher's options are not ours to know
+        prog = "torchrun [the same torchrun options] -m grpo_fast"
     args, skip = [], False
     for i, a in enumerate(argv):
         if skip:
@@ -75,7 +77,7 @@ def resume_command(argv: list[str]) -> str:
             skip = "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("-")
             continue
         args.append(a)
-    return shlex.join([*prog.split(), *args, "--resume"])
+    return f"{prog} {shlex.join([*args, '--resume'])}"
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:

@@ -176,6 +176,8 @@ def test_resume_command_repeats_the_options_with_resume(monkeypatch):
         "grpo-fast train --steps 9 --output-dir 'a b' --resume"
     assert resume_command(["train", "--overwrite", "true", "--resume=false", "--seed", "1"]) == \
         "grpo-fast train --seed 1 --resume"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resume_command(["train"]) == "torchrun [the same torchrun options] -m grpo_fast train --resume"
 
 
 def _interrupting_step(monkeypatch, at_step: int, times: int):

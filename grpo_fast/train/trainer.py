@@ -690,11 +690,14 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 class _StopOnInterrupt:
     """While active, the first SIGINT (Ctrl-C) only asks the loop to stop after the step in progress (which then
-    saves a checkpoint); a second one raises KeyboardInterrupt at once. Outside the main thread, where Python
-    cannot take signals, it does nothing."""
+    saves a checkpoint); a second one raises KeyboardInterrupt at once. A SIGINT within ``same_press_s`` of the
+    first counts as the same Ctrl-C: under torchrun every worker gets the terminal's SIGINT and then torchrun's own
+    copy of it. Outside the main thread, where Python cannot take signals, it does nothing."""
 
-    def __init__(self):
+    def __init__(self, same_press_s: float = 0.0):
         self.asked = False
+        self.same_press_s = same_press_s
+        self._first = 0.0
         self._previous = None
 
     def __enter__(self):
@@ -709,8 +712,10 @@ class _StopOnInterrupt:
 
     def _handle(self, signum, frame):
         if self.asked:
+            if time.monotonic() - self._first < self.same_press_s:
+                return
             raise KeyboardInterrupt
-        self.asked = True
+        self.asked, self._first = True, time.monotonic()
         logger.warning("Ctrl-C: stopping after this step, with a checkpoint (Ctrl-C again: stop now, losing the step)")
 
     def requested(self, run: Run) -> bool:
@@ -730,7 +735,7 @@ def fit(prepared: Prepared) -> Summary:
     main = run.world.is_main
     bar = _progress(config, run.step, enabled=main)
     try:
-        with _StopOnInterrupt() as stop:
+        with _StopOnInterrupt(same_press_s=5.0 if run.world.distributed else 0.0) as stop:
             while run.step < config.steps:
                 metrics = train_step(run)
                 if main and (run.step % config.log_every == 0 or run.step == config.steps):
