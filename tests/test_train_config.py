@@ -126,6 +126,12 @@ def test_numpy_scalars_are_numbers():
     assert (config.loss.beta, config.loss.epsilon) == (0.25, 0.5)
     with pytest.raises(ValueError, match=r"TrainConfig.steps: expected int, got np.float64\(7.0\)"):
         build_config({"steps": np.float64(7)})  # a float is no step count, whatever its type
+    direct = TrainConfig(temperature=np.float32(0.5), steps=np.int64(3), reward_weights=[np.float64(2.0)],
+                         adam_betas=[np.float32(0.5), np.float32(0.25)])  # from Python: the same
+    assert (direct.temperature, direct.steps, direct.reward_weights, direct.adam_betas) == (0.5, 3, [2.0], [0.5, 0.25])
+    assert type(direct.steps) is int and type(direct.adam_betas[0]) is float
+    with pytest.raises(ValueError, match=r"TrainConfig.steps must be an int >= 1, got 0"):
+        TrainConfig(steps=np.int32(0))
 
 
 def test_help_lists_every_option_with_its_default(capsys):

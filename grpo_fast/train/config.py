@@ -120,6 +120,12 @@ class TrainConfig:
                    "generators (which a reward function may draw from)")
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # numpy scalars (from Python callers) are numbers like any other
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                setattr(self, f.name, [_from_numpy(x) for x in value])
+            else:
+                setattr(self, f.name, _from_numpy(value))
         if isinstance(self.loss, dict):
             self.loss = dataclasses.replace(DEFAULT_LOSS, **self.loss)
         for name in TRAINER_OWNED_LOSS_FIELDS:
@@ -240,6 +246,13 @@ def _parse_value(cls, name: str, raw):
         type_name = f"a list of {args[0].__name__}" if origin is list else getattr(hint, "__name__", str(hint))
         raise ValueError(f"{cls.__name__}.{name}: expected {type_name}{' or None' if optional else ''}, "
                          f"got {raw!r} ({e})") from None
+
+
+def _from_numpy(value):
+    """A numpy scalar (or 0-d array) as the Python bool, int or float it holds; anything else as it is."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
 
 
 def _plain(value, hint, where: str | None):
