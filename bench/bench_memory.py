@@ -485,7 +485,7 @@ def plot(csv_path: Path) -> Path:
 
 def build_parser(prog: str = "python -m bench.bench_memory") -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
+    p = argparse.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]), allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
                    help=f"configurations to run, in order (default: all: {', '.join(CONFIGS)})")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -17,6 +19,23 @@ Options come from (later wins): the defaults below, --config FILE (.toml or .yam
 table), then the flags. Lists are comma-separated (--rewards math,format). Outputs in --output-dir:
 metrics.jsonl, reward_kl.png, config.json, checkpoints/.
 """
+
+
+class Parser(argparse.ArgumentParser):
+    """No abbreviated options (``--step 3`` is not ``--steps 3``), and an error is one line that says what came and
+    what the nearest known option is; the subcommands' parsers are of this class too."""
+
+    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def error(self, message: str):
+        unknown = message.removeprefix("unrecognized arguments: ")
+        if unknown != message:
+            known = [o for a in self._actions for o in a.option_strings]
+            flags = [w for w in unknown.split() if w.startswith("-")]
+            near = difflib.get_close_matches(flags[0].split("=")[0], known, n=1, cutoff=0.75) if flags else []
+            message = f"unknown option(s): {unknown}" + (f"; did you mean {near[0]}?" if near else "")
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
@@ -36,23 +55,58 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-# what bad input (options, files, model, data, rewards, checkpoint) raises before the first step
-_INPUT_ERRORS = (ValueError, TypeError, FileNotFoundError, FileExistsError, ImportError, AttributeError)
+# what bad input (options, files, model, data, rewards, output directory, checkpoint) raises before the first step
+_INPUT_ERRORS = (ValueError, TypeError, OSError, ImportError, AttributeError)
+INTERRUPTED = 130  # the shell's code for a process stopped by SIGINT
 
 
-def _train(args: argparse.Namespace) -> int:
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues this run: the same options, ``--overwrite`` dropped and ``--resume`` added."""
+    ran_as_module = bool(sys.argv) and Path(sys.argv[0]).parts[-2:] == ("grpo_fast", "__main__.py")
+    prog = "python -m grpo_fast" if ran_as_module else "grpo-fast"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # its launcher's options are not ours to know
+        prog = "torchrun [the same torchrun options] -m grpo_fast"
+    args, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        name = a.split("=")[0]
+        if name in ("--overwrite", "--resume"):
+            # a bool flag takes an optional value: --overwrite, --overwrite true, --overwrite=true
+            skip = "=" not in a and i + 1 < len(argv) and not argv[i + 1].startswith("-")
+            continue
+        args.append(a)
+    return f"{prog} {shlex.join([*args, '--resume'])}"
+
+
+def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from grpo_fast.train import build_config, fit, prepare
     from grpo_fast.train.config import read_config_file
     from grpo_fast.train.distributed import shutdown
+    from grpo_fast.train.trainer import TrainingInterrupted
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
-        prepared = prepare(build_config(file_values, overrides))
+        prepared = prepare(build_config(file_values, overrides, file_name=f"--config {args.config}"))
     except _INPUT_ERRORS as e:  # a one-line message that names the option; errors later keep their traceback
         print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
-    summary = fit(prepared)
+    except KeyboardInterrupt:
+        print(f"grpo-fast {args.command}: interrupted before the first step; nothing was trained or saved",
+              file=sys.stderr)
+        return INTERRUPTED
+    try:
+        summary = fit(prepared)
+    except TrainingInterrupted as e:
+        if prepared.run.world.is_main:
+            print(f"grpo-fast {args.command}: {e}; resume with: {resume_command(argv)}", file=sys.stderr)
+        if e.clean:  # every rank stopped at the same step: leave the process group together
+            world = prepared.run.world
+            del prepared
+            shutdown(world)
+        return INTERRUPTED
     world = prepared.run.world
     if world.is_main:
         print(summary.line())
@@ -120,18 +174,20 @@ def main(argv: list[str] | None = None) -> int:
     code = _parsed_elsewhere(argv)
     if code is not None:
         return code
-    parser = argparse.ArgumentParser(prog="grpo-fast", description="GRPO with fused Triton kernels: no logits.")
+    parser = Parser(prog="grpo-fast", description="GRPO with fused Triton kernels: no logits.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _elsewhere_parsers(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's parser says it: its prog, and the nearest of its own options
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 logs below warnings
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s" if "RANK" not in os.environ
                         else f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
     if args.command != "train":  # "grpo-fast bench" without a benchmark name
         parser.parse_args([args.command, "--help"])
-    return _train(args)
+    return _train(args, argv)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -39,10 +40,8 @@ def test_save_atomic_leaves_no_partial_file(tmp_path, monkeypatch):
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt.os, "replace", boom)
-    try:
+    with pytest.raises(OSError, match="disk full"):  # the failure reaches the caller
         ckpt.save_atomic({"a": torch.zeros(3)}, path)
-    except OSError:
-        pass
     assert torch.equal(torch.load(path)["a"], torch.ones(3))  # the old checkpoint is intact
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # and no temporary is left
 
@@ -112,3 +111,47 @@ def test_resume_with_other_options_is_refused(tmp_path):
         train(small_config(tmp_path, steps=2, group_size=8, resume=True))
     summary = train(small_config(tmp_path, steps=2, resume=True))  # more steps is fine
     assert summary.steps == 2
+
+
+def _draws() -> list:
+    """One draw from every global generator a step could use (CUDA's where there is one)."""
+    import numpy as np
+
+    out = [random.random(), float(np.random.random()), float(torch.rand(()))]
+    if torch.cuda.is_available():
+        out += [float(torch.rand((), device=f"cuda:{i}")) for i in range(torch.cuda.device_count())]
+    return out
+
+
+def test_rng_state_round_trip_through_a_checkpoint_file(tmp_path):
+    pytest.importorskip("numpy")
+    random.seed(1)
+    torch.manual_seed(1)
+    __import__("numpy").random.seed(1)
+    path = tmp_path / "rng.pt"
+    ckpt.save_atomic({"rng": ckpt.rng_state()}, path)
+    expected = _draws()
+    assert _draws() != expected  # the generators moved on: each draw is new
+    ckpt.set_rng_state(torch.load(path, weights_only=False)["rng"])
+    assert _draws() == expected
+    assert {"python", "numpy", "torch"} <= ckpt.rng_state().keys()
+
+
+def test_resume_restores_the_global_rngs_a_step_draws_from(tmp_path):
+    """A reward that draws from Python's, numpy's and torch's global generators: the run saved at step 2 and resumed
+    (in between, the saved run's after-evaluation and the resumed run's set-up drew from them too) reaches the
+    parameters of the uninterrupted run only if all three states come back."""
+    pytest.importorskip("numpy")
+    rewards = tmp_path / "noisy.py"
+    rewards.write_text("import random\nimport numpy as np\nimport torch\n\n"
+                       "def noisy(prompts, completions, **kw):\n"
+                       "    return [random.random() + float(np.random.random()) + float(torch.rand(()))\n"
+                       "            for _ in completions]\n")
+    options = dict(rewards=f"{rewards}:noisy", **{"loss.beta": "0.05"})
+    train(small_config(tmp_path, steps=4, save_every=2, output_dir=str(tmp_path / "straight"), **options))
+    expected = _final_params(tmp_path / "straight")
+    train(small_config(tmp_path, steps=2, output_dir=str(tmp_path / "resumed"), **options))
+    train(small_config(tmp_path, steps=4, save_every=2, output_dir=str(tmp_path / "resumed"), resume=True, **options))
+    got = _final_params(tmp_path / "resumed")
+    for k in expected:
+        assert torch.equal(got[k], expected[k]), k

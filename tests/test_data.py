@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
-from grpo_fast.train.data import PromptSampler, batches, load_records, render_prompt
+from grpo_fast.train.data import (
+    PromptSampler,
+    batches,
+    check_prompts,
+    load_located_records,
+    load_records,
+    render_prompt,
+)
 
 RECORDS = [
     {"prompt": "What is 6 times 7?", "answer": "42", "meta": {"source": "gsm", "level": 1}},
@@ -155,6 +163,59 @@ def test_render_without_chat_template(tokenizer):
     assert render_prompt(tokenizer, "What is 2+2?", system_prompt="Think.") == "Think.\nWhat is 2+2?"
     with pytest.raises(ValueError, match="list of chat messages but the tokenizer .* has no chat template"):
         render_prompt(tokenizer, [{"role": "user", "content": "hi"}])
+
+
+# ---------------------------------------------------------------------------------------------------- check_prompts
+
+
+def _located(tmp_path, prompts):
+    path = _write_jsonl(tmp_path / "data.jsonl", [{"prompt": p} for p in prompts], blank_lines=True)
+    return load_located_records(path)
+
+
+def test_located_records_say_where_each_record_is(tmp_path):
+    located = _located(tmp_path, ["hi", "hi hi"])  # a blank line between records: lines 1 and 3
+    assert [(w.split(", ")[1], r["prompt"]) for w, r in located] == [("line 1", "hi"), ("line 3", "hi hi")]
+
+
+@pytest.mark.parametrize("prompt", ["", " \n\t", [{"role": "user", "content": ""}, {"role": "user", "content": " "}]])
+def test_check_prompts_refuses_an_empty_prompt_with_its_line(tmp_path, tokenizer, prompt):
+    located = _located(tmp_path, ["hi", "hi", prompt])
+    with pytest.raises(ValueError, match=rf"data.jsonl, line 5: column 'prompt' is an empty prompt, got "
+                                         rf"{re.escape(repr(prompt))}$"):
+        check_prompts(located, tokenizer, prompt_column="prompt", max_prompt_length=8)
+
+
+def test_check_prompts_counts_the_rendered_tokens(tmp_path, tokenizer):
+    located = _located(tmp_path, ["hi hi", "hi hi hi", "hi", "hi hi hi hi"])
+    check_prompts(located, tokenizer, prompt_column="prompt", max_prompt_length=4)
+    with pytest.raises(ValueError, match=r"data.jsonl, line 3: the prompt is 3 tokens long once rendered, more than "
+                                         r"TrainConfig.max_prompt_length 2 \(1 more prompt is too long\); raise "
+                                         r"--max-prompt-length or drop the long prompts"):
+        check_prompts(located, tokenizer, prompt_column="prompt", max_prompt_length=2, batch=3)  # across batches
+    # the system prompt counts ("Think", ".", then the prompt's words)
+    with pytest.raises(ValueError, match=r"line 1: the prompt is 4 tokens .*max_prompt_length 3 \(2 more prompts"):
+        check_prompts(located, tokenizer, prompt_column="prompt", max_prompt_length=3, system_prompt="Think.")
+    # and so does the chat template: "<|user|>hi\n<|assistant|>" is 7 words and symbols
+    tokenizer.chat_template = CHAT_TEMPLATE
+    with pytest.raises(ValueError, match=r"line 5: the prompt is 7 tokens .*max_prompt_length 6 \(4 more prompts"):
+        check_prompts(located[2:3] + located, tokenizer, prompt_column="prompt", max_prompt_length=6)
+
+
+def test_check_prompts_names_a_message_list_without_a_chat_template(tmp_path, tokenizer):
+    located = _located(tmp_path, ["hi", [{"role": "user", "content": "hi"}]])
+    with pytest.raises(ValueError, match=r"data.jsonl, line 3: prompt is a list of chat messages but the tokenizer"):
+        check_prompts(located, tokenizer, prompt_column="prompt", max_prompt_length=8)
+
+
+def test_the_tiny_tokenizer_is_one_token_per_character():
+    """The trainer counts the built-in model's prompt tokens with ``len`` (check_prompts' ``count_tokens``)."""
+    from grpo_fast.train.tasks import builtin_records, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    texts = [render_prompt(tok, r["prompt"], system_prompt="Answer: x\n?") for r in builtin_records("digits", "eval",
+                                                                                                       64)]
+    assert [len(x) for x in tok(texts, add_special_tokens=False)["input_ids"]] == [len(t) for t in texts]
 
 
 # ---------------------------------------------------------------------------------------------------- PromptSampler

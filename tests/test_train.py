@@ -231,7 +231,13 @@ def test_missing_model_directory_is_a_clear_error(tmp_path):
 
 
 def test_too_long_prompt_names_the_option(tmp_path):
-    run = setup(small_config(tmp_path, max_prompt_length=4))
+    # the whole dataset is checked at set-up (tests/test_cli_errors.py has a file's line numbers)
+    with pytest.raises(ValueError, match=r"builtin:digits, record 0: the prompt is 10 tokens long once rendered, more "
+                                         r"than TrainConfig.max_prompt_length 4 \(\d+ more prompts are too long\)"):
+        setup(small_config(tmp_path, max_prompt_length=4))
+    # and the rollout still refuses what set-up did not see
+    run = setup(small_config(tmp_path))
+    run.config.max_prompt_length = 4
     with pytest.raises(ValueError, match="TrainConfig.max_prompt_length: a prompt has"):
         rollout(run, run.sampler.records[:2], 2, SamplingParams(2))
 

@@ -56,6 +56,12 @@ def test_file_then_command_line_precedence(tmp_path):
         ({"lr": "inf"}, "TrainConfig.lr must be a finite number > 0 or None, got inf"),
         ({"top_k": "-1"}, "TrainConfig.top_k must be an int >= 0"),
         ({"adam_betas": "0.9,1.5"}, r"adam_betas must be two numbers in \[0, 1\)"),
+        ({"device": "tpu"}, "TrainConfig.device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+        ({"device": "cuda:x"}, "TrainConfig.device must be auto, cpu, cuda or cuda:N; got 'cuda:x'"),
+        ({"output_dir": ""}, "TrainConfig.output_dir must name a directory, got ''"),
+        ({"output_dir": "  "}, "TrainConfig.output_dir must name a directory, got '  '"),
+        ({"reward_weights": "nan"}, r"TrainConfig.reward_weights must be finite numbers, got \[nan\]"),
+        ({"reward_weights": "-inf"}, r"TrainConfig.reward_weights must be finite numbers, got \[-inf\]"),
     ],
 )
 def test_bad_options_name_the_option_and_what_came(overrides, match):
@@ -66,10 +72,66 @@ def test_bad_options_name_the_option_and_what_came(overrides, match):
 def test_config_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such file"):
         read_config_file(tmp_path / "missing.toml")
+    (tmp_path / "dir.toml").mkdir()
+    with pytest.raises(FileNotFoundError, match="--config: not a file .*dir.toml"):
+        read_config_file(tmp_path / "dir.toml")
     bad = tmp_path / "c.ini"
     bad.write_text("x=1")
     with pytest.raises(ValueError, match=r"expected a .toml, .yaml or .yml file"):
         read_config_file(bad)
+
+
+@pytest.mark.parametrize("name, text, match", [
+    ("c.toml", "steps = 3\nlr = \n", r"--config: .*c.toml is not valid TOML: Invalid value \(at line 2, column \d+"),
+    ("c.toml", "steps = 3\nsteps = 4\n", r"c.toml is not valid TOML: Cannot overwrite a value \(at line 2, column \d+"),
+    ("c.toml", b"steps = '\xff'\n", r"c.toml is not valid TOML: 'utf-8' codec can't decode"),
+    ("c.yaml", "steps: 3\n  lr: 2\n", r"--config: .*c.yaml is not valid YAML at line 2, column 5: mapping values are "
+                                       "not allowed here"),
+    ("c.yml", "- 1\n- 2\n", r"--config: .*c.yml must hold a table of fields, got list"),
+])
+def test_config_file_syntax_errors_name_the_file_and_line(tmp_path, name, text, match):
+    path = tmp_path / name
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        read_config_file(path)
+
+
+@pytest.mark.parametrize("values, match", [
+    ({"rewards": [1, 2]}, r"config file: TrainConfig.rewards: expected a list of str, got \[1, 2\] \(item 0 is int, "
+                          r"expected a string\)"),
+    ({"rewards": "math"}, None),  # a string is a comma-separated list, as on the command line
+    ({"reward_weights": [1, "x"]}, r"TrainConfig.reward_weights: expected a list of float, got \[1, 'x'\] \(item 1 "
+                                   r"is str"),
+    ({"loss": 5}, r"config file: loss must be a table of loss options \(\[loss\] in TOML, a mapping in YAML, "
+                  r"--loss.NAME on the command line\), got 5"),
+    ({"steps": 2.5}, r"TrainConfig.steps: expected int, got 2.5 \(float, expected a whole number\)"),
+    ({"model": 5}, r"TrainConfig.model: expected str, got 5 \(int, expected a string\)"),
+    ({"progress": 1}, r"TrainConfig.progress: expected bool, got 1 \(int, expected true or false\)"),
+    ({1: 2}, r"config file: option names are strings, got 1"),
+])
+def test_file_values_of_the_wrong_type_name_the_option(values, match):
+    if match is None:
+        assert build_config(values).rewards == ["math"]
+        return
+    with pytest.raises(ValueError, match=match):
+        build_config(values)
+
+
+def test_numpy_scalars_are_numbers():
+    np = pytest.importorskip("numpy")
+    config = build_config({"temperature": np.float32(0.5), "steps": np.int64(7), "reward_weights": [np.float16(2)],
+                           "progress": np.bool_(False), "loss": {"beta": np.float64(0.25), "epsilon": np.float32(0.5)}})
+    assert (config.temperature, config.steps, config.reward_weights, config.progress) == (0.5, 7, [2.0], False)
+    assert type(config.temperature) is float and type(config.steps) is int and type(config.reward_weights[0]) is float
+    assert (config.loss.beta, config.loss.epsilon) == (0.25, 0.5)
+    with pytest.raises(ValueError, match=r"TrainConfig.steps: expected int, got np.float64\(7.0\)"):
+        build_config({"steps": np.float64(7)})  # a float is no step count, whatever its type
+    direct = TrainConfig(temperature=np.float32(0.5), steps=np.int64(3), reward_weights=[np.float64(2.0)],
+                         adam_betas=[np.float32(0.5), np.float32(0.25)])  # from Python: the same
+    assert (direct.temperature, direct.steps, direct.reward_weights, direct.adam_betas) == (0.5, 3, [2.0], [0.5, 0.25])
+    assert type(direct.steps) is int and type(direct.adam_betas[0]) is float
+    with pytest.raises(ValueError, match=r"TrainConfig.steps must be an int >= 1, got 0"):
+        TrainConfig(steps=np.int32(0))
 
 
 def test_help_lists_every_option_with_its_default(capsys):
@@ -114,5 +176,6 @@ def test_documented_example_config_loads():
 
 
 def test_a_bool_in_a_file_is_not_a_number():
-    with pytest.raises(ValueError, match="TrainConfig.temperature must be in"):
+    with pytest.raises(ValueError, match=r"TrainConfig.temperature: expected float, got True \(bool, expected a "
+                                         "number\)"):
         build_config({"temperature": True})

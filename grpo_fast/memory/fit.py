@@ -150,7 +150,7 @@ def summary(memory: int, group_size: int, args, calibration: dict, trainings) ->
 
 def build_parser(prog: str = "grpo-fast fit") -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]),
+    p = argparse.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]), allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help=f"registry name: {', '.join(MODELS)}")
     p.add_argument("--memory", help="GPU memory, e.g. 24GB, 80GB, 24576MiB (GB = GiB = 2**30 bytes)")

@@ -6,6 +6,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -113,9 +116,16 @@ class TrainConfig:
     keep_checkpoints: int = _f(2, "how many checkpoints to keep")
     resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir")
     overwrite: bool = _f(False, "start over in an output_dir that holds an earlier run (its checkpoints are deleted)")
-    seed: int = _f(0, "seeds the model init, the prompt order and the sampling")
+    seed: int = _f(0, "seeds the model init, the prompt order, the sampling and the global Python, numpy and torch "
+                   "generators (which a reward function may draw from)")
 
     def __post_init__(self):
+        for f in dataclasses.fields(self):  # numpy scalars (from Python callers) are numbers like any other
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                setattr(self, f.name, [_from_numpy(x) for x in value])
+            else:
+                setattr(self, f.name, _from_numpy(value))
         if isinstance(self.loss, dict):
             self.loss = dataclasses.replace(DEFAULT_LOSS, **self.loss)
         for name in TRAINER_OWNED_LOSS_FIELDS:
@@ -139,6 +149,11 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"TrainConfig.{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if not isinstance(self.device, str) or not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"TrainConfig.device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if not isinstance(self.output_dir, (str, os.PathLike)) or not str(self.output_dir).strip():
+            # "" is the current directory to pathlib: a run would write (and --overwrite delete) there
+            raise ValueError(f"TrainConfig.output_dir must name a directory, got {self.output_dir!r}")
         positive = ("steps", "prompts_per_step", "group_size", "mu", "micro_batch_size", "max_new_tokens",
                     "max_prompt_length", "eval_size", "log_every")
         for name in positive:
@@ -176,6 +191,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lora_alpha must be an int >= 1, got {self.lora_alpha!r}")
         if not self.rewards:
             raise ValueError("TrainConfig.rewards must name at least one reward function, got an empty list")
+        bad = [w for w in self.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))
+               or not math.isfinite(w)]
+        if bad:
+            raise ValueError(f"TrainConfig.reward_weights must be finite numbers, got {self.reward_weights!r}")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"TrainConfig.reward_weights must have one weight per reward ({len(self.rewards)}: "
                              f"{self.rewards}), got {len(self.reward_weights)}: {self.reward_weights}")
@@ -218,33 +237,74 @@ def _parse_value(cls, name: str, raw):
                     return False
                 raise ValueError("expected true or false")
             return hint(raw)
-        if origin is list and not isinstance(raw, list):
-            raise ValueError("expected a list")
-        if hint is float and isinstance(raw, int) and not isinstance(raw, bool):
-            return float(raw)
-        return raw
+        if origin is list:
+            if not isinstance(raw, (list, tuple)):
+                raise ValueError("expected a list")
+            return [_plain(x, args[0], f"item {i}") for i, x in enumerate(raw)]
+        return _plain(raw, hint, None)
     except (TypeError, ValueError) as e:
-        type_name = getattr(hint, "__name__", str(hint))
+        type_name = f"a list of {args[0].__name__}" if origin is list else getattr(hint, "__name__", str(hint))
         raise ValueError(f"{cls.__name__}.{name}: expected {type_name}{' or None' if optional else ''}, "
                          f"got {raw!r} ({e})") from None
+
+
+def _from_numpy(value):
+    """A numpy scalar (or 0-d array) as the Python bool, int or float it holds; anything else as it is."""
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return value.item()
+    return value
+
+
+def _plain(value, hint, where: str | None):
+    """A file's value (TOML, YAML, or a dict from Python) as ``hint``: numbers of any kind that registers with
+    ``numbers`` (numpy scalars included) become int or float; a str, list or bool must be one. Other hints
+    (enums, dataclasses) are left to the field's own validation."""
+    prefix = f"{where} is " if where else ""
+    is_bool = isinstance(value, bool) or type(value).__name__ in ("bool", "bool_")  # numpy's is no bool subclass
+    if hint is bool:
+        if not is_bool:
+            raise ValueError(f"{prefix}{type(value).__name__}, expected true or false")
+        return bool(value)
+    if hint is int:
+        if is_bool or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{prefix}{type(value).__name__}, expected a whole number")
+        return int(value)
+    if hint is float:
+        if is_bool or not isinstance(value, numbers.Real):
+            raise ValueError(f"{prefix}{type(value).__name__}, expected a number")
+        return float(value)
+    if hint is str and isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if hint is str and not isinstance(value, str):
+        raise ValueError(f"{prefix}{type(value).__name__}, expected a string")
+    return value
 
 
 def read_config_file(path: str | Path) -> dict:
     """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) file -> a dict of fields (``[loss]`` a nested table)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"--config: no such file {str(path)!r}")
+        raise FileNotFoundError(f"--config: {'not a file' if path.exists() else 'no such file'} {str(path)!r}")
     if path.suffix == ".toml":
         import tomllib
 
-        with path.open("rb") as f:
-            data = tomllib.load(f)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:  # the message says the line and column
+            raise ValueError(f"--config: {path} is not valid TOML: {e}") from None
     elif path.suffix in (".yaml", ".yml"):
         try:
             import yaml
         except ImportError:
             raise ImportError("--config: reading YAML needs PyYAML (pip install pyyaml), or use a .toml file") from None
-        data = yaml.safe_load(path.read_text()) or {}
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            mark = getattr(e, "problem_mark", None)  # 0-based
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ValueError(f"--config: {path} is not valid YAML{where}: {problem}") from None
+        data = {} if data is None else data
     else:
         raise ValueError(f"--config: expected a .toml, .yaml or .yml file, got {str(path)!r}")
     if not isinstance(data, dict):
@@ -252,9 +312,11 @@ def read_config_file(path: str | Path) -> dict:
     return data
 
 
-def build_config(file_values: dict | None = None, overrides: dict[str, str] | None = None) -> TrainConfig:
+def build_config(file_values: dict | None = None, overrides: dict[str, str] | None = None,
+                 file_name: str = "config file") -> TrainConfig:
     """Defaults < file values < command-line overrides. ``overrides`` keys are field names (``loss.beta`` for the
-    loss). Unknown names raise an error that lists the nearest known ones."""
+    loss). Unknown names raise an error that lists the nearest known ones; errors in ``file_values`` start with
+    ``file_name``."""
     values: dict = {}
     loss: dict = {}
     known = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -266,7 +328,10 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
             if key not in loss_known:
                 raise ValueError(_unknown(f"{source}: unknown loss option {key!r}", key, loss_known))
             loss[key] = _parse_value(GRPOLossConfig, key, raw)
-        elif name == "loss" and isinstance(raw, dict):
+        elif name == "loss":
+            if not isinstance(raw, dict):
+                raise ValueError(f"{source}: loss must be a table of loss options ([loss] in TOML, a mapping in "
+                                 f"YAML, --loss.NAME on the command line), got {raw!r}")
             for k, v in raw.items():
                 put(f"loss.{k}", v, source)
         elif name in known and name != "loss":
@@ -275,7 +340,12 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
             raise ValueError(_unknown(f"{source}: unknown option {name!r}", name, known | {"loss.*"}))
 
     for name, raw in (file_values or {}).items():
-        put(name.replace("-", "_"), raw, "config file")
+        if not isinstance(name, str):  # YAML keys may be numbers or booleans
+            raise ValueError(f"{file_name}: option names are strings, got {name!r}")
+        try:
+            put(name.replace("-", "_"), raw, file_name)
+        except ValueError as e:  # a bad value names the file it came from
+            raise ValueError(str(e) if str(e).startswith(file_name) else f"{file_name}: {e}") from None
     for name, raw in (overrides or {}).items():
         put(name.replace("-", "_"), raw, "command line")
     if loss:

@@ -10,7 +10,9 @@ import dataclasses
 import json
 import logging
 import math
-import random
+import signal
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,9 +27,9 @@ from grpo_fast.train.shared_prefix import shared_prefix_forward, token_counts, u
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train import distributed as dist_
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.data import PromptSampler, load_records, render_prompt
+from grpo_fast.train.data import PromptSampler, check_prompts, load_located_records, render_prompt
 from grpo_fast.train.forward import completion_hidden, head_of, unwrap
-from grpo_fast.train.metrics import MetricsLog, plot_metrics
+from grpo_fast.train.metrics import MetricsLog, plot_metrics, read_steps
 from grpo_fast.train.model import (
     attach_lora,
     autocast,
@@ -78,20 +80,27 @@ class Run:
     skipped_updates: int = 0
 
 
-def load_datasets(config: TrainConfig) -> tuple[list[dict], list[dict]]:
+def load_datasets(config: TrainConfig, tokenizer=None) -> tuple[list[dict], list[dict]]:
+    """The training and held-out records; with a ``tokenizer``, every prompt of both is checked first
+    (:func:`check_prompts`: none empty, none longer than ``max_prompt_length``), the error naming the record."""
     if config.dataset.startswith("builtin:"):
         name = config.dataset.split(":", 1)[1]
-        train = builtin_records(name, "train", TASK_SIZE)
-        evaluation = builtin_records(name, "eval", config.eval_size)
-        return train, evaluation
-    needs = ("answer",) if any(r in ("math", "exact") for r in config.rewards) else ()
-    needs += ("tests",) if any(r == "code" for r in config.rewards) else ()
-    train = load_records(config.dataset, prompt_column=config.prompt_column, required=needs)
-    evaluation = []
-    if config.eval_dataset:
-        evaluation = load_records(config.eval_dataset, prompt_column=config.prompt_column, required=needs,
-                                  limit=config.eval_size)
-    return train, evaluation
+        train = [(f"{config.dataset}, record {i}", r) for i, r in enumerate(builtin_records(name, "train", TASK_SIZE))]
+        evaluation = [(f"{config.dataset} (held-out), record {i}", r)
+                      for i, r in enumerate(builtin_records(name, "eval", config.eval_size))]
+    else:
+        needs = ("answer",) if any(r in ("math", "exact") for r in config.rewards) else ()
+        needs += ("tests",) if any(r == "code" for r in config.rewards) else ()
+        train = load_located_records(config.dataset, prompt_column=config.prompt_column, required=needs)
+        evaluation = []
+        if config.eval_dataset:
+            evaluation = load_located_records(config.eval_dataset, prompt_column=config.prompt_column,
+                                              required=needs, limit=config.eval_size)
+    if tokenizer is not None:
+        check_prompts(train + evaluation, tokenizer, prompt_column=config.prompt_column,
+                      max_prompt_length=config.max_prompt_length, system_prompt=config.system_prompt,
+                      count_tokens=len if config.model == "tiny" else None)  # its tokenizer: one token a character
+    return [r for _, r in train], [r for _, r in evaluation]
 
 
 def lr_lambda(config: TrainConfig, total_updates: int):
@@ -113,6 +122,10 @@ def lr_lambda(config: TrainConfig, total_updates: int):
 def setup(config: TrainConfig) -> Run:
     device = dist_.local_device(resolve_device(config.device))
     dtype = resolve_dtype(config.dtype, device)
+    try:  # before the model loads: --impl triton on a CPU is known at once
+        impl = resolve_impl(config.impl, device, "grpo_loss", dtype)
+    except RuntimeError as e:
+        raise ValueError(f"TrainConfig.impl: {e}") from None
     world = dist_.init(config.distributed, device)
     if config.prompts_per_step % world.size:
         raise ValueError(f"TrainConfig.prompts_per_step must be a multiple of the {world.size} processes (each rank "
@@ -123,8 +136,7 @@ def setup(config: TrainConfig) -> Run:
     threads = config.threads or (1 if config.model == "tiny" else None)
     if threads:
         torch.set_num_threads(threads)
-    random.seed(config.seed)
-    torch.manual_seed(config.seed)
+    ckpt.seed_rngs(config.seed)  # Python's, numpy's and torch's: a reward function may draw from any
     # full fine-tuning keeps float32 master weights; with LoRA the frozen base is stored in the compute dtype
     model, tokenizer = load_model_and_tokenizer(config, device, dtype if config.lora_r else torch.float32)
     check_head(model, len(tokenizer), device)
@@ -140,7 +152,7 @@ def setup(config: TrainConfig) -> Run:
     loss_config = dataclasses.replace(
         config.loss, temperature=config.temperature, softcap=head.softcap, max_completion_length=config.max_new_tokens
     )
-    train_records, eval_records = load_datasets(config)
+    train_records, eval_records = load_datasets(config, tokenizer)
     reward_funcs = [load_reward(name) for name in config.rewards]
     weights = config.reward_weights or [1.0] * len(reward_funcs)  # TrainConfig checked the count
     lr = config.lr or (TINY_LR if config.model == "tiny" else MODEL_LR)
@@ -148,7 +160,6 @@ def setup(config: TrainConfig) -> Run:
     optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(config.adam_betas), weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, config.steps * config.mu))
     sampler = PromptSampler(train_records, config.prompts_per_step, seed=config.seed)
-    impl = resolve_impl(config.impl, device, "grpo_loss", dtype)
     n_params = sum(p.numel() for p in model.parameters())  # (under FSDP2 the DTensors' global sizes)
     n_train = sum(p.numel() for p in params)
     logger.info(
@@ -553,38 +564,61 @@ RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "k
 
 
 def load_checkpoint(run: Run, directory: Path) -> bool:
+    """Restores the newest intact checkpoint in ``directory`` (False: there is none). A damaged newer one is named
+    in a warning, skipped, and renamed ``*.damaged`` once the older one has loaded. Nothing in ``directory`` is
+    touched before every check has passed: a checkpoint of other options, or one past ``--steps``, is refused."""
     world = run.world
-    if world.is_main:
-        stale = ckpt.remove_stale_temporaries(directory)
-        if stale:
-            logger.warning("removed %d partial checkpoint(s) left by an interrupted save", len(stale))
-    dist_.barrier(world)
     found = ckpt.list_checkpoints(directory)
     if not found:
+        if world.is_main and ckpt.remove_stale_temporaries(directory):  # a save killed before any completed
+            logger.warning("removed the partial checkpoint left by an interrupted save")
         logger.info("resume: no checkpoint in %s, starting from step 0", directory)
         return False
-    step, path = found[-1]
+    damaged = []
+    for step, path in reversed(found):
+        try:
+            state = ckpt.read_state(path)
+            break
+        except ckpt.DamagedCheckpoint as e:
+            logger.warning("--resume: skipping a damaged checkpoint: %s", e)
+            damaged.append((path, e))
+    else:
+        reasons = "; ".join(str(e) for _, e in damaged)
+        raise ValueError(f"--resume: every checkpoint in {directory} is damaged ({reasons}); restore one from a "
+                         "copy, or start over with --overwrite")
     sharded = path.suffix == ".dcp"
     if sharded != (world.strategy == "fsdp2"):
         raise ValueError(f"--resume: {path} was written {'under' if sharded else 'without'} FSDP2; resume it "
                          f"{'under torchrun with --distributed fsdp2' if sharded else 'without FSDP2'}")
-    # on the CPU first: RNG states must stay CPU byte tensors; load_state_dict moves the rest where it belongs
-    state = torch.load(path / ckpt.TRAINER_STATE if sharded else path, map_location="cpu", weights_only=False)
     saved, now = state["config"], run.config.to_dict()
     changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
     if changed:
         diff = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
         raise ValueError(f"--resume: {path} was written by a run with other options ({diff}); resume with the same "
                          f"options (only {', '.join(sorted(RESUMABLE_CHANGES))} may change) or start a new run")
-    if sharded:
-        ckpt.load_sharded(run.model, run.optimizer, path)
-    else:
-        run.model.load_state_dict(state["model"])
-        run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    run.sampler.load_state_dict(state["sampler"])
+    if state["step"] > run.config.steps:
+        raise ValueError(f"TrainConfig.steps: {path} is at step {state['step']}, past --steps {run.config.steps}; "
+                         f"resume with --steps {state['step']} or more (nothing was changed)")
+    try:
+        if sharded:
+            ckpt.load_sharded(run.model, run.optimizer, path)
+        else:
+            run.model.load_state_dict(state["model"])
+            run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.sampler.load_state_dict(state["sampler"])
+    except (RuntimeError, KeyError) as e:  # the same options, but another model or data behind the same names
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"--resume: {path} does not fit this run ({type(e).__name__}: {reason})") from None
     ckpt.set_rng_state(state["rng"])
     run.step, run.skipped_updates = state["step"], state["skipped_updates"]
+    dist_.barrier(world)  # every rank has read what it needs before rank 0 renames or removes anything
+    if world.is_main:
+        for broken, _ in damaged:
+            logger.warning("--resume: renamed the damaged %s to %s", broken, ckpt.set_aside(broken))
+        stale = ckpt.remove_stale_temporaries(directory)
+        if stale:
+            logger.warning("removed %d partial checkpoint(s) left by an interrupted save", len(stale))
     logger.info("resumed from %s (step %d)", path, step)
     return True
 
@@ -619,53 +653,122 @@ class Prepared:
 
 def prepare(config: TrainConfig) -> Prepared:
     """Everything that can fail on the user's input (model, data, rewards, output directory, checkpoint), before
-    the first step."""
+    the first step. Nothing is written before all of it has passed (the before-evaluation included), so a failed
+    start leaves nothing that blocks the corrected rerun."""
     started = time.perf_counter()
     out_dir = Path(config.output_dir)
     ckpt_dir = out_dir / "checkpoints"
     _check_output_dir(config, out_dir, ckpt_dir)
     run = setup(config)
     main = run.world.is_main  # only rank 0 writes the metrics, the config and single-file checkpoints
-    if main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        if config.overwrite and not config.resume:
-            for _, path in ckpt.list_checkpoints(ckpt_dir):
-                ckpt.remove(path)
-    dist_.barrier(run.world)
     resumed = config.resume and load_checkpoint(run, ckpt_dir)
+    eval_before = None if resumed else evaluate(run)
     resolved = config.to_dict()
     log = None
     if main:
+        if config.overwrite and not config.resume:
+            for _, path in ckpt.list_checkpoints(ckpt_dir):
+                ckpt.remove(path)
         (out_dir / "config.json").write_text(json.dumps(resolved, indent=2))
         log = MetricsLog(out_dir / "metrics.jsonl", truncate_after=run.step if resumed else 0)
-    if resumed:
-        eval_before = log.header.get("eval_before") if main else None
-    else:
-        eval_before = evaluate(run)
-        if main:
+        if resumed:
+            eval_before = log.header.get("eval_before")
+        else:
             log.write_header({"eval_before": eval_before, "config": resolved})
+    dist_.barrier(run.world)
     return Prepared(run, log, eval_before, out_dir, started)
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped :func:`fit`. ``clean``: every rank finished its step and ``checkpoint`` holds it; otherwise the
+    step in progress was abandoned and ``checkpoint`` is the newest one saved before it (None: none was)."""
+
+    def __init__(self, message: str, step: int, checkpoint: Path | None, clean: bool):
+        super().__init__(message)
+        self.step, self.checkpoint, self.clean = step, checkpoint, clean
+
+
+class _StopOnInterrupt:
+    """While active, the first SIGINT (Ctrl-C) only asks the loop to stop after the step in progress (which then
+    saves a checkpoint); a second one raises KeyboardInterrupt at once. A SIGINT within ``same_press_s`` of the
+    first counts as the same Ctrl-C: under torchrun every worker gets the terminal's SIGINT and then torchrun's own
+    copy of it. Outside the main thread, where Python cannot take signals, it does nothing."""
+
+    def __init__(self, same_press_s: float = 0.0):
+        self.asked = False
+        self.same_press_s = same_press_s
+        self._first = 0.0
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame):
+        if self.asked:
+            if time.monotonic() - self._first < self.same_press_s:
+                return
+            raise KeyboardInterrupt
+        self.asked, self._first = True, time.monotonic()
+        logger.warning("Ctrl-C: stopping after this step, with a checkpoint (Ctrl-C again: stop now, losing the step)")
+
+    def requested(self, run: Run) -> bool:
+        """Whether any rank was asked to stop (every rank then stops at the same step)."""
+        if not run.world.distributed:
+            return self.asked
+        return not dist_.all_true(not self.asked, run.world, run.device)
+
+
 def fit(prepared: Prepared) -> Summary:
-    """The loop: steps up to ``config.steps``, checkpoints, the after-evaluation and the plot."""
+    """The loop: steps up to ``config.steps``, checkpoints, the after-evaluation and the plot.
+
+    Ctrl-C finishes the step in progress, saves a checkpoint and raises :class:`TrainingInterrupted` (a
+    KeyboardInterrupt); a second Ctrl-C abandons the step without saving it."""
     run, log, config = prepared.run, prepared.log, prepared.run.config
     ckpt_dir = prepared.out_dir / "checkpoints"
     main = run.world.is_main
     bar = _progress(config, run.step, enabled=main)
     try:
-        while run.step < config.steps:
-            metrics = train_step(run)
-            if main and (run.step % config.log_every == 0 or run.step == config.steps):
-                log.write(metrics)
-            bar.set_postfix(_postfix(metrics), refresh=False)
-            bar.update(1)
-            if config.save_every and run.step % config.save_every == 0 and run.step < config.steps:
-                save_checkpoint(run, ckpt_dir)
+        with _StopOnInterrupt(same_press_s=5.0 if run.world.distributed else 0.0) as stop:
+            while run.step < config.steps:
+                metrics = train_step(run)
+                if main and (run.step % config.log_every == 0 or run.step == config.steps):
+                    log.write(metrics)
+                bar.set_postfix(_postfix(metrics), refresh=False)
+                bar.update(1)
+                if run.step < config.steps and stop.requested(run):
+                    path = save_checkpoint(run, ckpt_dir)
+                    raise TrainingInterrupted(f"stopped by Ctrl-C after step {run.step} of {config.steps}, saved in "
+                                              f"{path}", run.step, path, clean=True)
+                if config.save_every and run.step % config.save_every == 0 and run.step < config.steps:
+                    save_checkpoint(run, ckpt_dir)
+            path = save_checkpoint(run, ckpt_dir)
+            if stop.requested(run):  # Ctrl-C in the last step: the run is saved whole, the evaluation not run
+                raise TrainingInterrupted(f"stopped by Ctrl-C after the last step ({run.step}), saved in {path}; "
+                                          "the after-evaluation was not run", run.step, path, clean=True)
+    except TrainingInterrupted:
+        raise
+    except KeyboardInterrupt:
+        found = ckpt.list_checkpoints(ckpt_dir)  # (a save cut short left only a temporary, removed on resume)
+        newest = found[-1][1] if found else None
+        raise TrainingInterrupted(
+            f"stopped at once by a second Ctrl-C after {run.step} of {config.steps} steps; "
+            + (f"the newest checkpoint is {newest} (step {found[-1][0]}), later steps are lost" if newest
+               else "no checkpoint was saved"),
+            run.step, newest, clean=False) from None
     finally:
         bar.close()
-    save_checkpoint(run, ckpt_dir)
-    eval_after = evaluate(run)
+    try:
+        eval_after = evaluate(run)
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(f"stopped by Ctrl-C in the after-evaluation; all {run.step} steps are saved in "
+                                  f"{path}", run.step, path, clean=False) from None
     if main:
         log.write_footer({"eval_after": eval_after})
         if config.plot:
@@ -681,8 +784,19 @@ def train(config: TrainConfig) -> Summary:
 
 
 def _check_output_dir(config: TrainConfig, out_dir: Path, ckpt_dir: Path) -> None:
-    """A new run never silently overwrites an earlier run's metrics and checkpoints."""
-    earlier = ckpt.list_checkpoints(ckpt_dir) or (out_dir / "metrics.jsonl").exists()
+    """The output directory exists (it is created) and takes files; a new run never silently overwrites an earlier
+    run's metrics and checkpoints. An earlier start that failed before its first step is no run."""
+    for path in (out_dir, ckpt_dir):
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"TrainConfig.output_dir: {path} is a file, expected a directory")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):
+            pass
+    except OSError as e:
+        raise ValueError(f"TrainConfig.output_dir: cannot create or write in {out_dir} ({e.strerror or e})") from None
+    metrics = out_dir / "metrics.jsonl"
+    earlier = ckpt.list_checkpoints(ckpt_dir) or (metrics.exists() and read_steps(metrics))
     if earlier and not (config.resume or config.overwrite):
         raise FileExistsError(
             f"TrainConfig.output_dir: {out_dir} already holds a run (metrics.jsonl or checkpoints); pass --resume to "

@@ -1,0 +1,260 @@
+"""``grpo-fast train`` as a careless or hostile user runs it: every mistake is one line on stderr that names the flag,
+file or row, exit code 2, nothing written that blocks the corrected rerun; Ctrl-C saves the step and exits 130."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from train_helpers import small_config
+
+from grpo_fast.cli import main, resume_command
+from grpo_fast.train import checkpoint as ckpt
+from grpo_fast.train import prepare, train
+from grpo_fast.train.metrics import read_steps
+from grpo_fast.train.trainer import TrainingInterrupted, fit
+
+TINY = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "2", "--max-new-tokens", "2",
+        "--progress", "false", "--plot", "false"]
+
+
+def _one_line_error(capsys, argv, code=2) -> str:
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if "error:" in line or "Traceback" in line]
+    assert len(errors) == 1 and errors[0].startswith("grpo-fast train: error: "), err
+    return errors[0]
+
+
+def _unwritable(tmp_path) -> str:
+    if os.geteuid() != 0:
+        ro = tmp_path / "read-only"
+        ro.mkdir()
+        ro.chmod(0o555)
+        return str(ro / "run")
+    return "/proc/grpo-fast-no-such-dir"  # root writes through permissions; /proc takes no new directories
+
+
+@pytest.mark.parametrize("case", ["device", "impl", "weights", "toml", "yaml", "file", "unwritable", "empty-dir",
+                                  "rewards-ints", "loss-int", "weights-strings"])
+def test_bad_input_is_one_line(case, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # conftest runs Triton on the CPU; a user's CPU does not
+    out = str(tmp_path / "run")
+    toml, yaml = tmp_path / "c.toml", tmp_path / "c.yaml"
+    toml.write_text({"toml": "steps = [\n", "rewards-ints": "rewards = [1, 2]\n", "loss-int": "loss = 5\n",
+                     "weights-strings": 'reward_weights = ["a"]\n'}.get(case, ""))
+    yaml.write_text("steps: [1\nlr: 2\n")
+    (tmp_path / "a-file").write_text("")
+    argv, expected = {
+        "device": (["--device", "tpu"], "TrainConfig.device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+        "impl": (["--impl", "triton"], "TrainConfig.impl: grpo_loss: impl='triton' needs CUDA tensors"),
+        "weights": (["--reward-weights", "nan"], "TrainConfig.reward_weights must be finite numbers, got [nan]"),
+        "toml": (["--config", str(toml)], f"--config: {toml} is not valid TOML: "),
+        "yaml": (["--config", str(yaml)], f"--config: {yaml} is not valid YAML at line 2, column 3: expected ','"),
+        "file": (["--output-dir", str(tmp_path / "a-file")], f"{tmp_path / 'a-file'} is a file, expected a directory"),
+        "unwritable": (["--output-dir", _unwritable(tmp_path)], "TrainConfig.output_dir: cannot create or write in"),
+        "empty-dir": (["--output-dir", ""], "TrainConfig.output_dir must name a directory, got ''"),
+        "rewards-ints": (["--config", str(toml)], f"--config {toml}: TrainConfig.rewards: expected a list of str, "
+                                                  "got [1, 2] (item 0 is int, expected a string)"),
+        "loss-int": (["--config", str(toml)], f"--config {toml}: loss must be a table of loss options ([loss] in "
+                                              "TOML, a mapping in YAML, --loss.NAME on the command line), got 5"),
+        "weights-strings": (["--config", str(toml)], "TrainConfig.reward_weights: expected a list of float, got "
+                                                     "['a'] (item 0 is str, expected a number)"),
+    }[case]
+    if case == "impl" and torch.cuda.is_available():
+        pytest.skip("--impl triton is valid where CUDA is")
+    line = _one_line_error(capsys, ["train", *TINY, "--output-dir", out, *argv])
+    assert expected in line
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # nothing written
+
+
+def test_no_abbreviated_options(capsys, tmp_path):
+    """argparse would take --step for --steps (and --out for --output-dir): every parser refuses prefixes."""
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--step", "3", "--output-dir", str(tmp_path)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["grpo-fast train: error: unknown option(s): --step 3; did you mean --steps? (see grpo-fast train "
+                   "--help)"]
+    with pytest.raises(SystemExit):
+        main(["train", "--output", str(tmp_path)])
+    assert "unknown option(s): --output" in capsys.readouterr().err
+    from grpo_fast.memory.fit import build_parser
+
+    assert build_parser().allow_abbrev is False
+
+
+@pytest.mark.parametrize("problem", ["empty", "long", "type"])
+def test_the_whole_dataset_is_checked_before_step_1(problem, tmp_path, capsys):
+    """A bad prompt far down the file is found at start, with its line, even for a run too short to sample it."""
+    rows = [{"prompt": "max 1 2 3=", "answer": "3"} for _ in range(40)]
+    rows[29]["prompt"] = {"empty": " \n", "long": "max " + " ".join("123456789" * 4) + "=", "type": 7}[problem]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = _one_line_error(capsys, ["train", *TINY, "--dataset", str(data), "--max-prompt-length", "40",
+                                    "--output-dir", str(tmp_path / "run")])
+    expected = {"empty": "column 'prompt' is an empty prompt, got ' \\n'",
+                "long": "the prompt is 76 tokens long once rendered, more than TrainConfig.max_prompt_length 40",
+                "type": "column 'prompt' must be a string or a non-empty list of chat messages"}[problem]
+    assert f"{data}, line 30: {expected}" in line
+
+
+def test_a_failed_start_does_not_block_the_rerun(tmp_path, capsys):
+    """A reward that fails in the before-evaluation stops the run before anything is written; the corrected rerun
+    needs no --overwrite. A start that failed in step 1 (metrics.jsonl with a start line only) blocks nothing either."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def broken(prompts, completions, **kw):\n    raise ValueError('broken reward')\n\n"
+                       "def fine(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    out = tmp_path / "run"
+    line = _one_line_error(capsys, ["train", *TINY, "--rewards", f"{rewards}:broken", "--output-dir", str(out)])
+    assert "broken reward" in line
+    assert not (out / "metrics.jsonl").exists() and not (out / "config.json").exists()
+    assert main(["train", *TINY, "--rewards", f"{rewards}:fine", "--output-dir", str(out)]) == 0
+    assert [s["step"] for s in read_steps(out / "metrics.jsonl")] == [1]
+
+    crashed = tmp_path / "crashed"
+    crashed.mkdir()
+    (crashed / "metrics.jsonl").write_text(json.dumps({"event": "start", "eval_before": 0.0}) + "\n")
+    assert train(small_config(tmp_path, steps=1, output_dir=str(crashed))).steps == 1
+    with pytest.raises(FileExistsError, match="already holds a run"):  # a run with a step is protected
+        train(small_config(tmp_path, steps=1, output_dir=str(crashed)))
+
+
+def test_steps_below_the_checkpoint_are_refused_and_nothing_is_touched(tmp_path):
+    train(small_config(tmp_path, steps=3))
+    out = tmp_path / "run"
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"TrainConfig.steps: .*checkpoint-000003.pt is at step 3, past --steps 2; "
+                                         r"resume with --steps 3 or more \(nothing was changed\)"):
+        prepare(small_config(tmp_path, steps=2, resume=True))
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage", "not-a-checkpoint"])
+def test_a_damaged_newest_checkpoint_is_named_skipped_and_the_older_one_used(damage, tmp_path, caplog):
+    """The newest checkpoint damaged: resume warns with its name, continues from the older one, sets the damaged
+    file aside, and ends where the undamaged run ended (nothing lost but the recomputed step)."""
+    train(small_config(tmp_path, steps=3, save_every=1, keep_checkpoints=0))
+    ckpt_dir = tmp_path / "run" / "checkpoints"
+    newest = ckpt_dir / "checkpoint-000003.pt"
+    expected = torch.load(newest, weights_only=False)["model"]
+    data = newest.read_bytes()
+    newest.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"garbage\n" * 10}.get(
+        damage, b""))
+    if damage == "not-a-checkpoint":
+        torch.save({"step": 3}, newest)
+    with caplog.at_level("WARNING", logger="grpo_fast.train"):
+        summary = train(small_config(tmp_path, steps=3, save_every=1, keep_checkpoints=0, resume=True))
+    assert summary.steps == 3
+    warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
+    assert warnings[0].startswith(f"--resume: skipping a damaged checkpoint: {newest} ")
+    assert (ckpt_dir / "checkpoint-000003.pt.damaged").exists()
+    got = torch.load(newest, weights_only=False)["model"]
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert [s["step"] for s in read_steps(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_resume_refuses_when_every_checkpoint_is_damaged(tmp_path):
+    train(small_config(tmp_path, steps=2, save_every=1, keep_checkpoints=0))
+    for _, path in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints"):
+        path.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"--resume: every checkpoint in .* is damaged \(.*checkpoint-000002.pt "
+                                         r"cannot be read \(EOFError: Ran out of input\); .*checkpoint-000001.pt"):
+        train(small_config(tmp_path, steps=2, resume=True))
+    assert len(ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")) == 2  # not renamed: nothing was used
+
+
+def test_resume_command_repeats_the_options_with_resume(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/usr/bin/grpo-fast"])
+    assert resume_command(["train", "--steps", "9", "--overwrite", "--output-dir", "a b"]) == \
+        "grpo-fast train --steps 9 --output-dir 'a b' --resume"
+    assert resume_command(["train", "--overwrite", "true", "--resume=false", "--seed", "1"]) == \
+        "grpo-fast train --seed 1 --resume"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resume_command(["train"]) == "torchrun [the same torchrun options] -m grpo_fast train --resume"
+
+
+def _interrupting_step(monkeypatch, at_step: int, times: int):
+    """train_step that sends itself ``times`` SIGINTs in the middle of step ``at_step`` (as a terminal would)."""
+    from grpo_fast.train import trainer
+
+    real = trainer.train_step
+
+    def step(run):
+        if run.step + 1 == at_step:
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+        return real(run)
+
+    monkeypatch.setattr(trainer, "train_step", step)
+
+
+def test_ctrl_c_finishes_the_step_and_saves_it(tmp_path, monkeypatch):
+    _interrupting_step(monkeypatch, at_step=2, times=1)
+    with pytest.raises(TrainingInterrupted, match=r"stopped by Ctrl-C after step 2 of 4, saved in .*"
+                                                  r"checkpoint-000002.pt") as info:
+        fit(prepare(small_config(tmp_path, steps=4)))
+    assert info.value.clean and info.value.step == 2 and info.value.checkpoint.exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
+    monkeypatch.undo()
+    assert train(small_config(tmp_path, steps=4, resume=True)).steps == 4
+    assert [s["step"] for s in read_steps(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+def test_a_second_ctrl_c_abandons_the_step(tmp_path, monkeypatch):
+    _interrupting_step(monkeypatch, at_step=3, times=2)
+    with pytest.raises(TrainingInterrupted, match=r"stopped at once by a second Ctrl-C after 2 of 4 steps; the newest "
+                                                  r"checkpoint is .*checkpoint-000002.pt \(step 2\), later steps are "
+                                                  r"lost$") as info:
+        fit(prepare(small_config(tmp_path, steps=4, save_every=2)))
+    assert not info.value.clean and info.value.step == 2
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
+
+
+def test_ctrl_c_in_a_real_process_saves_and_resumes(tmp_path):
+    """SIGINT to ``python -m grpo_fast train`` after its first step: exit 130, no traceback, a checkpoint of the
+    step it stopped at, and the printed resume command continues from it."""
+    out = tmp_path / "run"
+    argv = ["train", *TINY[2:], "--steps", "1000", "--output-dir", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_fast", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and read_steps(out / "metrics.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    step = read_steps(out / "metrics.jsonl")[-1]["step"]
+    saved = ckpt.checkpoint_path(out / "checkpoints", step)
+    assert last.startswith(f"grpo-fast train: stopped by Ctrl-C after step {step} of 1000, saved in {saved}; "
+                           "resume with: python -m grpo_fast train ")
+    assert last.endswith(" --resume") and saved.exists()
+    # the printed command, one more step, continues from the checkpoint
+    command = last.split("resume with: python -m grpo_fast ")[1].split()
+    command[command.index("--steps") + 1] = str(step + 1)
+    assert main(command) == 0
+    assert [s["step"] for s in read_steps(out / "metrics.jsonl")] == list(range(1, step + 2))
+
+
+def test_ctrl_c_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch):
+    from grpo_fast.train import trainer
+
+    def interrupted(run):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "evaluate", interrupted)  # Ctrl-C in the before-evaluation
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--output-dir", str(out)]) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "grpo-fast train: interrupted before the first step; nothing was trained or saved"
+    assert not any(out.iterdir())  # the rerun needs no --overwrite
