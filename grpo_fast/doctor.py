@@ -82,7 +82,8 @@ CUDA_SHAPES = (Shape("small", 2, 123, 256, 1151), Shape("medium", 4, 512, 1024, 
 # Versions, devices, the auto path
 
 
-def _dist_version(dist: str) -> str | None:
+def dist_version(dist: str) -> str | None:
+    """The installed version of distribution ``dist``, None when it is not installed."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -107,17 +108,17 @@ def _driver() -> str:
 def versions() -> dict[str, str]:
     import grpo_fast
 
-    installed = _dist_version("grpo-fast")
+    installed = dist_version("grpo-fast")
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "CUDA runtime (torch built with)": torch.version.cuda or (f"none; HIP {torch.version.hip}" if torch.version.hip
                                                                  else "none (CPU build)"),
         "NVIDIA driver": _driver(),
-        "triton": _dist_version("triton") or "not installed",
-        "transformers": _dist_version("transformers") or "not installed",
+        "triton": dist_version("triton") or "not installed",
+        "transformers": dist_version("transformers") or "not installed",
         "grpo-fast": installed or f"{grpo_fast.__version__} (not installed: imported from {Path(grpo_fast.__file__).parent})",
-        "liger-kernel": _dist_version("liger-kernel") or "not installed",
+        "liger-kernel": dist_version("liger-kernel") or "not installed",
     }
 
 
@@ -284,7 +285,7 @@ def self_check(device: torch.device, dtype: torch.dtype, shapes, budget_s: float
     impls = ["reference", "torch"]
     if device.type == "cuda":
         impls.insert(1, "triton")
-    if _dist_version("liger-kernel"):
+    if dist_version("liger-kernel"):
         impls.append("liger")
     rows = []
     for shape in shapes:
