@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import importlib.metadata
 import json
 import math
@@ -105,6 +106,14 @@ def _driver() -> str:
     return "none found (no nvidia-smi, no CUDA device)"
 
 
+def _module_version(name: str) -> str:
+    """For a module installed under another distribution name (ROCm's ``pytorch-triton-rocm`` provides triton)."""
+    try:
+        return importlib.import_module(name).__version__
+    except ImportError:
+        return "not installed"
+
+
 def versions() -> dict[str, str]:
     import grpo_fast
 
@@ -115,7 +124,7 @@ def versions() -> dict[str, str]:
         "CUDA runtime (torch built with)": torch.version.cuda or (f"none; HIP {torch.version.hip}" if torch.version.hip
                                                                  else "none (CPU build)"),
         "NVIDIA driver": _driver(),
-        "triton": dist_version("triton") or "not installed",
+        "triton": dist_version("triton") or _module_version("triton"),
         "transformers": dist_version("transformers") or "not installed",
         "grpo-fast": installed or f"{grpo_fast.__version__} (not installed: imported from {Path(grpo_fast.__file__).parent})",
         "liger-kernel": dist_version("liger-kernel") or "not installed",
@@ -203,8 +212,9 @@ def _liger_loss(config):
 
 
 def make_step(impl: str, x: dict, dtype: torch.dtype):
-    """``(step, leaves)``: ``step()`` runs one forward + backward of ``impl`` on fresh gradients and returns its
-    outputs ``{quantity: tensor or None}``; leaves are hidden and weight in ``dtype``."""
+    """``step()``: one forward + backward of ``impl`` on hidden and weight cast to ``dtype`` (fresh gradients each
+    call); returns ``{quantity: tensor or None}``: the loss, per-token log-probs ``[B, T]``, d hidden ``[B, T, H]``
+    and d weight ``[V, H]``."""
     from grpo_fast import GRPOLossConfig, grpo_loss
 
     config = GRPOLossConfig(**LOSS)
@@ -268,9 +278,11 @@ def _fit(shape: Shape, device: torch.device, dtype: torch.dtype) -> Shape:
         return shape
     free, _total = torch.cuda.mem_get_info(device)
 
-    def need(s: Shape) -> int:  # ~6 [N, V] float64 tensors (logits, softmax, their gradients) + the weight's copies
-        n = s.B * s.T
-        return n * s.V * (6 * 8 + 4 * torch.finfo(dtype).bits // 8) + 6 * s.V * s.H * 8
+    # The float64 reference's forward + backward peaks at 32 bytes per [N, V] element (measured on a CPU: four float64
+    # [N, V] tensors; the reference at fp32/bf16/fp16 peaks at 16, its float32 upcasts); 48 leaves room. The weight
+    # lives as float64 input, gradient and kept gradient, and in ``dtype`` as those three again.
+    def need(s: Shape) -> int:
+        return 48 * s.B * s.T * s.V + 3 * s.V * s.H * (8 + torch.finfo(dtype).bits // 8)
 
     while need(shape) > HEADROOM * free and shape.B * shape.T > 256:
         shape = dataclasses.replace(shape, B=shape.B // 2) if shape.B > 1 else dataclasses.replace(shape, T=shape.T // 2)
