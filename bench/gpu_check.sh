@@ -29,6 +29,7 @@ SETUP_ONLY=0
 start=$(date +%s)
 SUMMARY=()
 FAILED=0
+LAST_RC=0
 
 # step NAME SECONDS COMMAND...: COMMAND under a timeout (its whole process group), output in $OUT/NAME.log, the tail
 # printed; one summary line with its exit status (124: timed out) and elapsed seconds.
@@ -41,6 +42,7 @@ step() {
   t0=$(date +%s)
   timeout -k "$GRACE" "$secs" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
+  LAST_RC=$rc
   tail -n 15 "$OUT/$name.log"
   [ "$rc" -ne 0 ] && FAILED=1
   SUMMARY+=("$(printf '%-10s rc=%-4s %4d s   %s' "$name" "$rc" $(($(date +%s) - t0)) "$OUT/$name.log")")
@@ -106,7 +108,7 @@ else
   echo "liger-kernel is not installed: the loss benchmark runs without its two implementations"
 fi
 echo "loss benchmark implementations: triton reference $LIGER matmul"
-if [ "$SETUP_ONLY" = 1 ] || [ "$FAILED" = 1 ]; then  # set-up only, or a set-up the checks cannot run on
+if [ "$SETUP_ONLY" = 1 ] || [ "$LAST_RC" != 0 ]; then  # set-up only, or a set-up the checks cannot run on
   summary
   exit "$FAILED"
 fi

@@ -157,8 +157,11 @@ def devices() -> list[dict]:
 
 def tf32_state() -> dict:
     """The settings that allow TF32 matmuls for float32 inputs on CUDA (resolve_impl's reason for float32)."""
-    return {"torch.backends.cuda.matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
-            "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision()}
+    state = {"torch.backends.cuda.matmul.allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+             "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision()}
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9's per-backend setting
+        state["torch.backends.cuda.matmul.fp32_precision"] = torch.backends.cuda.matmul.fp32_precision
+    return state
 
 
 def auto_paths(device_names: list[str]) -> list[dict]:
