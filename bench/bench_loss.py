@@ -25,8 +25,8 @@ gradients the step must return; ``grads_mib`` is their size and ``overhead_mib =
 working memory (DESIGN.md §7 bounds that at 64 MiB for grpo-fast). ``tflops`` counts 6 N H V FLOPs (the three lm_head
 matmuls of forward + backward) per step.
 
-The CSV (default ``bench/results/loss_<device>.csv``) is overwritten by each run; ``python -m bench.plot CSV`` draws
-it.
+The CSV (default ``bench/results/loss_<device>.csv``) is overwritten by each run and written again after every row,
+so a run stopped by a timeout keeps the rows it finished; ``python -m bench.plot CSV`` draws it.
 """
 
 from __future__ import annotations
@@ -396,7 +396,7 @@ def main(argv=None) -> int:
           f"{len(shapes)} shape(s) x {len(impls)} impl(s), warmup {run['warmup']}, reps {run['reps']}"
           + (f", memory cap {run['mem_limit'] / 1024**3:.1f} GiB per process" if run["mem_limit"] else ""),
           flush=True)
-    rows, t_start, k = [], time.perf_counter(), 0
+    out, t_start, k = harness.CsvRows(csv_path), time.perf_counter(), 0  # each row on disk as soon as it exists
     failed = False
     for shape in shapes:
         inp = shape["inputs"]
@@ -408,17 +408,18 @@ def main(argv=None) -> int:
             checks = _check(shape, impls, run)
             failed = checks.get("torch", {}).get("check") == "FAIL"
         if failed:  # no timing of a wrong result; the rows say why
-            rows += [dict(_base_row(i, shape, run), check=checks[i]["check"], **env,
-                          error="not timed: grpo-fast's torch path failed the correctness check") for i in impls]
+            for i in impls:
+                out.add(dict(_base_row(i, shape, run), check=checks[i]["check"], **env,
+                             error="not timed: grpo-fast's torch path failed the correctness check"))
             break
         for impl in impls:
             k += 1
             print(f"  [{k}/{len(shapes) * len(impls)}] {label} {impl:>9} ... ", end="", flush=True)
             t0 = time.perf_counter()
-            rows.append(_time_row(impl, shape, checks.get(impl, {"check": "skipped"}), run))
-            print(_progress(rows[-1], time.perf_counter() - t0), flush=True)
+            row = out.add(_time_row(impl, shape, checks.get(impl, {"check": "skipped"}), run))
+            print(_progress(row, time.perf_counter() - t0), flush=True)
 
-    harness.write_csv(csv_path, rows)
+    rows = out.rows
     if len({r.get("src_sha") for r in rows}) > 1:
         print("\nWARNING: the source tree changed during the run; rows measured different code (see the commit and "
               "src_sha columns).", file=sys.stderr)

@@ -528,7 +528,7 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
     print(f"memory bench on {harness.device_name(device)}: {common['model']}, B={shape.prompts} G={shape.group_size} "
           f"P={shape.prompt_len} T={shape.completion_len}, {args.dtype}, {training.describe()}, {args.threads} "
           "thread(s)", flush=True)
-    rows = []
+    out = harness.CsvRows(csv_path)  # rewritten after each configuration: a timeout keeps the finished ones
     for name in args.configs:
         torch.set_num_threads(args.threads)
         env = harness.env_fields(device)
@@ -545,12 +545,13 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
             r = dict(error=str(e))
         load = dict(load_avg_start=round(load_start, 2), load_avg_end=round(os.getloadavg()[0], 2))
         new = [dict(row, **load, **env) for row in result_rows(name, r, common)]
-        rows += new
+        for row in new:
+            out.add(row)
         step = new[-1]
         print(step.get("error") or f"peak {step['peak_mib']:.1f} MiB ({step['peak_phase']}), "
               f"{step['median_ms'] / 1e3:.2f} s/step, load {load['load_avg_start']:.1f}/{load['load_avg_end']:.1f}  "
               f"[{time.perf_counter() - t0:.0f} s]", flush=True)
-    harness.write_csv(csv_path, rows)
+    rows = out.rows
     png = plot(csv_path) if any(r.get("peak_mib") for r in rows) else None
     print()
     print(results_table(rows))

@@ -1,55 +1,152 @@
 #!/usr/bin/env bash
-# The one GPU check: CUDA tests of the Triton kernels, then the GPU benchmarks, then a short results table.
-# Installs nothing from the network (only grpo-fast itself, in place, so that `grpo_fast.kernels` maps to kernels/);
-# expects torch, triton and transformers on the machine (liger-kernel optional: its rows then record the error).
-# Budget: under 10 minutes on one H200 even if every step runs into its timeout (150 + 130 + 90 + 60 + 150 s), which
-# leaves room for the machine's start-up within a 15-minute device allowance.
-# Results go to $OUT (default bench/results/gpu).
-#   bash bench/gpu_check.sh
+# The one GPU check, from a source checkout with nothing installed: `grpo-fast doctor`, the gpu-marked tests, the
+# micro benchmarks (bench/micro, when present), the loss, shared-prefix and memory benchmarks and the trainer on CUDA,
+# then one summary line per step (its exit status and seconds). Results and one log per step go to $OUT (default
+# bench/results/gpu); every benchmark writes each CSV row as soon as it finishes, so a step cut by its timeout keeps
+# its finished rows. Exit status 1 when any step failed or timed out.
+#
+# Needs only python3 with torch, triton, transformers and pytest (liger-kernel and pytest-benchmark are used when
+# there, skipped when not) and Python >= 3.11. Nothing is installed: grpo-fast maps `grpo_fast.kernels` to the
+# top-level kernels/ folder (setuptools package-dir), so a plain PYTHONPATH=. cannot import it. A link farm does:
+# a temporary copy of grpo_fast/ made of symlinks, with kernels/ linked in as grpo_fast/kernels, first on PYTHONPATH,
+# and PYTHONSAFEPATH=1 so that `python -m ...` run from the checkout (this script, bench/harness.py's child processes)
+# does not put the checkout's own grpo_fast/ in front of it.
+#
+# Budget (tests/test_gpu_check.py holds it): step timeouts 10+30+70+120+30+60+45+35+40 = 440 s, plus 3 s of kill
+# grace for each of the 9 steps = 467 s, within 8 minutes (480 s) even if every step runs into its timeout.
+#
+#   bash bench/gpu_check.sh                # the whole check (OUT=dir to choose where results go)
+#   bash bench/gpu_check.sh --setup-only   # only the link farm and its import check (runs on a CPU)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 OUT=${OUT:-bench/results/gpu}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+PY=${PYTHON:-python3}
+GRACE=3  # seconds between the timeout's SIGTERM and its SIGKILL
+SETUP_ONLY=0
+[ "${1:-}" = "--setup-only" ] && SETUP_ONLY=1
 start=$(date +%s)
-python -m pip install -q --no-deps --no-build-isolation --no-index -e . >"$OUT/install.log" 2>&1 \
-  || echo "note: in-place install failed (see $OUT/install.log); kernels may not import"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
-python -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/device.txt"
+SUMMARY=()
+FAILED=0
+LAST_RC=0
 
-echo "== CUDA tests (kernels on the GPU, bf16, V=151936 / N=65553; the shared-prefix forward in bf16, SDPA and FlexAttention)"
-timeout 150 python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_logprobs_torch.py \
-  tests/test_shared_prefix.py::test_cuda_bfloat16_within_the_tolerance_rule -k "not peak_memory" 2>&1 \
-  | tee "$OUT/tests.log" | tail -5
-tests_rc=${PIPESTATUS[0]}
+# step NAME SECONDS COMMAND...: COMMAND under a timeout (its whole process group), output in $OUT/NAME.log, the tail
+# printed; one summary line with its exit status (124: timed out) and elapsed seconds.
+step() {
+  local name=$1 secs=$2 t0 rc cmd
+  shift 2
+  cmd="$*"
+  cmd=${cmd//$'\n'/ }
+  echo "== $name (timeout ${secs} s): ${cmd:0:200}"
+  t0=$(date +%s)
+  timeout -k "$GRACE" "$secs" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  LAST_RC=$rc
+  tail -n 15 "$OUT/$name.log"
+  [ "$rc" -ne 0 ] && FAILED=1
+  SUMMARY+=("$(printf '%-10s rc=%-4s %4d s   %s' "$name" "$rc" $(($(date +%s) - t0)) "$OUT/$name.log")")
+}
 
-echo "== GPU benchmark: grpo_loss fwd+bwd, bf16, H=4096"
-bench_rc=0
-for n in 16384; do
-  # triton vs the materialised reference vs Liger (chunked, and its Triton loss on logits) vs the bare matmuls
-  timeout 130 python -m bench.bench_loss --device cuda --dtype bf16 --n "$n" --batch 8 --h 4096 \
-    --vocab 128256 151936 --warmup 2 --reps 5 --timeout 60 \
-    --impls triton reference liger liger_triton matmul --csv "$OUT/loss_gpu_n$n.csv" 2>&1 \
-    | tee "$OUT/bench_n$n.log" | tail -13
-  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && bench_rc=$rc
-done
+skipped() {  # skipped NAME REASON: a summary line for a step that did not run
+  echo "== $1: skipped ($2)"
+  SUMMARY+=("$(printf '%-10s %-8s %4s     %s' "$1" "skipped" "" "$2")")
+}
 
-echo "== GPU benchmark: shared-prefix training step (shared vs unshared forward), bf16, H=1024, 8 layers"
-# P:C 8:1, 1:1, 1:8 of 512 tokens x G 4, 16; one process per configuration, each checks the fp32 losses first
-timeout 90 python -m bench.bench_prefix --device cuda --dtype bf16 --hidden 1024 --layers 8 --groups 2 \
-  --warmup 2 --reps 5 --timeout 40 --csv "$OUT/prefix_gpu.csv" 2>&1 | tee "$OUT/bench_prefix.log" | tail -10
-prefix_rc=${PIPESTATUS[0]}
+summary() {
+  echo
+  echo "== summary: $(($(date +%s) - start)) s in all; results and logs in $OUT"
+  printf '%s\n' "${SUMMARY[@]}"
+}
 
-echo "== trainer on CUDA: the default task, bf16, Triton kernel path, 100 steps"
-# --rewards exact (exact match of the digit answer): the GPU image has no math-verify
-timeout 60 python -m grpo_fast train --device cuda --steps 100 --rewards exact --output-dir "$OUT/train" --progress false \
-  2>&1 | tee "$OUT/train.log" | grep -E "kernel path|grpo-fast:|Error|error"
-train_rc=${PIPESTATUS[0]}
+# ---- the link farm: grpo_fast/ as symlinks (their resolved paths stay in the checkout), kernels/ as grpo_fast/kernels
+FARM=$(mktemp -d "${TMPDIR:-/tmp}/grpo_fast_src.XXXXXX")
+trap 'rm -rf "$FARM"' EXIT
+mkdir "$FARM/grpo_fast"
+cp -rs "$ROOT/grpo_fast/." "$FARM/grpo_fast/"
+find "$FARM/grpo_fast" -name __pycache__ -prune -exec rm -rf {} +
+ln -s "$ROOT/kernels" "$FARM/grpo_fast/kernels"
+export PYTHONPATH="$FARM:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONSAFEPATH=1
 
-echo "== GPU memory: GRPO vs PPO, one training step per configuration (bf16, 8 layers, H=1024, V=151936, 2 x 8 x 256 tokens)"
-# one fresh process per configuration; components from the storage tracker, totals also from torch.cuda.max_memory_allocated
-timeout 150 python -m bench.bench_memory --device cuda --dtype bfloat16 --layers 8 --hidden 1024 --intermediate 2816 \
-  --heads 16 --kv-heads 4 --vocab 151936 --prompts 2 --group-size 8 --prompt-len 128 --completion-len 256 --reps 2 \
-  --timeout 60 --csv "$OUT/memory_gpu.csv" 2>&1 | tee "$OUT/bench_memory.log" | tail -9
-memory_rc=${PIPESTATUS[0]}
+if [ "$SETUP_ONLY" = 0 ]; then
+  step device 10 nvidia-smi
+fi
+# the set-up check: versions, and grpo_fast.kernels imported from the farm here and in a benchmark's child process
+cat >"$FARM/setup_check.py" <<'PYTHON'
+import sys
 
-echo "== summary ($(($(date +%s) - start)) s): tests rc=$tests_rc, bench rc=$bench_rc, prefix rc=$prefix_rc, train rc=$train_rc, memory rc=$memory_rc; files in $OUT"
+farm = sys.argv[1]
+if sys.version_info < (3, 11):
+    sys.exit(f"gpu_check.sh needs Python >= 3.11 (PYTHONSAFEPATH), got {sys.version.split()[0]}")
+import pytest, torch, transformers, triton
+
+import bench.harness
+import grpo_fast.kernels
+
+child = bench.harness.run_isolated("bench.harness:child_imports", {"modules": ["grpo_fast.kernels"]}, timeout=240)
+for where, path in [("here", grpo_fast.kernels.__file__), ("in a benchmark child", child["grpo_fast.kernels"])]:
+    print(f"grpo_fast.kernels {where}: {path}")
+    if not path.startswith(farm + "/"):
+        sys.exit(f"grpo_fast.kernels {where} came from {path}, not from the link farm {farm}")
+print("bench:", bench.harness.__file__)
+print("torch", torch.__version__, "CUDA", torch.cuda.is_available(), "| triton", triton.__version__,
+      "| transformers", transformers.__version__, "| pytest", pytest.__version__)
+if "--need-cuda" in sys.argv and not torch.cuda.is_available():
+    sys.exit("torch sees no CUDA device: nothing to check here")
+PYTHON
+SETUP_S=30
+[ "$SETUP_ONLY" = 1 ] && SETUP_S=300  # run alone (on a CPU, by the tests): outside the GPU budget
+step setup "$SETUP_S" "$PY" "$FARM/setup_check.py" "$FARM" $([ "$SETUP_ONLY" = 0 ] && echo --need-cuda)
+has() {  # has MODULE: whether python can import MODULE (found without importing it)
+  "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$1') is None)" >/dev/null 2>&1
+}
+if has liger_kernel; then
+  LIGER="liger liger_triton"
+else
+  LIGER=""
+  echo "liger-kernel is not installed: the loss benchmark runs without its two implementations"
+fi
+echo "loss benchmark implementations: triton reference $LIGER matmul"
+if [ "$SETUP_ONLY" = 1 ] || [ "$LAST_RC" != 0 ]; then  # set-up only, or a set-up the checks cannot run on
+  summary
+  exit "$FAILED"
+fi
+
+# ---- the checks, cheapest and most telling first
+step doctor 70 "$PY" -m grpo_fast doctor --budget 45 --json "$OUT/doctor.json"
+
+# every gpu-marked test (the kernels on the GPU, the loss kernel's reduced option grid, the bf16 shared-prefix forward)
+step gpu_tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs --continue-on-collection-errors \
+  --junitxml="$OUT/gpu_tests.xml" tests/
+
+if [ ! -d bench/micro ]; then
+  skipped micro "no bench/micro in this checkout"
+elif ! has pytest_benchmark; then
+  skipped micro "pytest-benchmark is not installed"
+else
+  step micro 30 "$PY" -m pytest -q -p no:cacheprovider bench/micro --benchmark-max-time=0.2 \
+    --benchmark-json "$OUT/micro.json"
+fi
+
+# grpo_loss fwd+bwd, bf16, N=16384, H=4096, V=151936: triton vs the materialised reference (vs Liger) vs the bare
+# matmuls; one process checks every loss against the float64 oracle first, then one process per implementation
+step loss 60 "$PY" -m bench.bench_loss --device cuda --dtype bf16 --n 16384 --batch 8 --h 4096 --vocab 151936 \
+  --warmup 2 --reps 5 --timeout 40 --impls triton reference $LIGER matmul --csv "$OUT/loss_gpu.csv"
+
+# shared-prefix training step (shared vs unshared forward), bf16, H=1024, 8 layers, P:C 8:1 and 1:8 of 512 tokens, G 8
+step prefix 45 "$PY" -m bench.bench_prefix --device cuda --dtype bf16 --hidden 1024 --layers 8 --groups 2 \
+  --ratios 8:1 1:8 --group-sizes 8 --warmup 2 --reps 5 --timeout 20 --csv "$OUT/prefix_gpu.csv"
+
+# the trainer on the default task, Triton kernel path; --rewards exact: the GPU image has no math-verify
+step train 35 "$PY" -m grpo_fast train --device cuda --steps 50 --rewards exact --output-dir "$OUT/train" \
+  --progress false
+
+# GRPO vs PPO memory, one training step per configuration in its own process (bf16, 8 layers, H=1024, V=151936)
+step memory 40 "$PY" -m bench.bench_memory --device cuda --dtype bfloat16 --layers 8 --hidden 1024 \
+  --intermediate 2816 --heads 16 --kv-heads 4 --vocab 151936 --prompts 2 --group-size 8 --prompt-len 128 \
+  --completion-len 256 --reps 2 --timeout 25 --configs ppo grpo_reference grpo_fused grpo_shared \
+  --csv "$OUT/memory_gpu.csv"
+
+summary
+exit "$FAILED"

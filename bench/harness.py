@@ -15,7 +15,8 @@ Every benchmark in ``bench/`` uses these pieces:
 - :func:`env_fields` gives the columns every row carries (device, library versions, git commit, a hash of the
   measured sources, date, command) and
   :func:`write_csv` writes one row per measurement. A benchmark run overwrites its CSV file (one file = one run, one
-  command line); keep older results by passing another ``--csv`` path.
+  command line); keep older results by passing another ``--csv`` path. :class:`CsvRows` writes the file again after
+  every row, so a run stopped by a timeout or a kill keeps every row it finished.
 """
 
 from __future__ import annotations
@@ -26,10 +27,8 @@ import datetime as _dt
 import gc
 import hashlib
 import importlib
-import importlib.metadata
 import json
 import os
-import platform
 import resource
 import shlex
 import signal
@@ -42,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from grpo_fast.doctor import device_name, dist_version  # device_name: the benchmarks call harness.device_name
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -206,7 +207,9 @@ def run_isolated(target: str, params: dict, *, timeout: float | None = None, mem
         params_path, result_path = Path(tmp) / "params.json", Path(tmp) / "result.json"
         params_path.write_text(json.dumps(params))
         child_env = dict(os.environ if env is None else env)
-        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), child_env.get("PYTHONPATH")]))
+        # REPO_ROOT (for bench/) after the caller's entries: a path put first on purpose, such as gpu_check.sh's
+        # link farm that maps grpo_fast.kernels without an install, keeps its precedence in the child
+        child_env["PYTHONPATH"] = os.pathsep.join(filter(None, [child_env.get("PYTHONPATH"), str(REPO_ROOT)]))
         cmd = [sys.executable, "-m", "bench.harness", target, str(params_path), str(result_path)]
         try:
             proc = subprocess.run(cmd, cwd=REPO_ROOT, env=child_env, capture_output=True, text=True, timeout=timeout,
@@ -230,6 +233,12 @@ def _describe_failure(returncode: int, stderr: str) -> str:
     return f"exit code {returncode}: {last}"
 
 
+def child_imports(modules: list[str]) -> dict:
+    """``{module: its __file__}`` as a :func:`run_isolated` child imports them (gpu_check.sh checks with it that
+    the benchmarks' child processes import grpo-fast from its link farm)."""
+    return {name: importlib.import_module(name).__file__ for name in modules}
+
+
 def _child_main(argv: list[str]) -> None:
     target, params_path, result_path = argv
     module_name, _, func_name = target.partition(":")
@@ -242,28 +251,8 @@ def _child_main(argv: list[str]) -> None:
 # Environment, CSV, tables
 
 
-def device_name(device) -> str:
-    """GPU name from torch, else the CPU model from /proc/cpuinfo (with the logical core count)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{model} ({os.cpu_count()} cores)"
-
-
 def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return ""
+    return dist_version(dist) or ""
 
 
 def git_commit() -> str:
@@ -313,6 +302,22 @@ def env_fields(device) -> dict:
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "command": command_line(),
     }
+
+
+class CsvRows:
+    """The rows of one run, written to ``path`` again (atomically, by :func:`write_csv`) after every :meth:`add`, so
+    that a run stopped at any moment (a timeout, a kill, a crash) leaves each finished row on disk. A file already at
+    ``path`` is removed at the start: the file holds this run's rows only."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.rows: list[dict] = []
+        self.path.unlink(missing_ok=True)
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        write_csv(self.path, self.rows)
+        return row
 
 
 def write_csv(path, rows: list[dict]) -> Path:

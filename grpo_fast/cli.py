@@ -169,6 +169,26 @@ def _elsewhere_parsers(sub) -> None:
     sub.add_parser("fit", help=FIT_DESCRIPTION, description=FIT_DESCRIPTION)
 
 
+# ------------------------------------------------------------------------------------------------ doctor
+
+
+def _doctor_parser(sub) -> None:
+    """``grpo-fast doctor``: its options and description live in grpo_fast/doctor.py (run there by ``_doctor``)."""
+    from grpo_fast import doctor
+
+    p = sub.add_parser("doctor", help="versions, devices, the path impl='auto' picks, and a one-minute self-check "
+                                      "of grpo_loss against the float64 reference on this machine",
+                       description=doctor.DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor.add_arguments(p)
+    p.set_defaults(run=_doctor)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from grpo_fast import doctor
+
+    return doctor.run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     code = _parsed_elsewhere(argv)
@@ -178,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _elsewhere_parsers(sub)
+    _doctor_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's parser says it: its prog, and the nearest of its own options
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
@@ -185,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s: %(message)s" if "RANK" not in os.environ
                         else f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    if hasattr(args, "run"):  # a subcommand that names its own function
+        return args.run(args)
     if args.command != "train":  # "grpo-fast bench" without a benchmark name
         parser.parse_args([args.command, "--help"])
     return _train(args, argv)
