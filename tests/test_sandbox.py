@@ -46,9 +46,11 @@ DOUBLE = "def f(x):\n    return 2 * x\n"
 LANDLOCK_ABI = landlock.abi_version() if sys.platform.startswith("linux") else 0
 needs_landlock = pytest.mark.skipif(
     LANDLOCK_ABI == 0, reason="this kernel offers no Landlock (Linux >= 5.13 with Landlock enabled at boot)")
-# The hostile completions below run under every layer, and under Landlock alone (no audit hook, no namespaces) to
-# show that the kernel refuses them whatever the Python-level layer does.
-CONFIGS = {"all-layers": frozenset(), "landlock-alone": frozenset({"audit-hook", "namespaces"})}
+# The hostile completions below run under every layer, and under Landlock (or seccomp) alone, without the audit
+# hook and the namespaces, to show that the kernel refuses them whatever the Python-level layer does.
+CONFIGS = {"all-layers": frozenset(), "landlock-alone": frozenset({"audit-hook", "namespaces", "seccomp"})}
+SECCOMP_CONFIGS = {"all-layers": frozenset(), "seccomp-alone": frozenset({"audit-hook", "namespaces", "landlock"})}
+HAS_SECCOMP = os.uname().machine in ("x86_64", "aarch64") if sys.platform.startswith("linux") else False
 
 
 def _sandbox_dirs() -> set[str]:
@@ -186,8 +188,9 @@ def test_isolation_layers():
     assert ("disk-tmpfs" in layers) != ("disk-watchdog" in layers)
     landlock_layers = [layer for layer in layers if layer.startswith("landlock-")]
     assert landlock_layers == ([f"landlock-{LANDLOCK_ABI}"] if LANDLOCK_ABI else [])
+    assert ("seccomp" in layers) == HAS_SECCOMP
     others = {"process-group", "rlimits", "no-new-privs", "no-capabilities", "audit-hook", "user-namespace",
-              "network-namespace", "disk-tmpfs", "disk-watchdog"}
+              "network-namespace", "disk-tmpfs", "disk-watchdog", "seccomp"}
     assert set(layers) - set(landlock_layers) <= others
 
 
@@ -348,8 +351,8 @@ def test_network_connection_is_blocked():
 ATTACK_HELPERS = """
 import ctypes, errno, io, mmap, os, shutil, socket, sqlite3
 
-SYS = {"x86_64": {"openat": 257, "ptrace": 101, "kill": 62},
-       "aarch64": {"openat": 56, "ptrace": 117, "kill": 129}}[os.uname().machine]
+SYS = {"x86_64": {"openat": 257, "ptrace": 101, "kill": 62, "io_uring_setup": 425},
+       "aarch64": {"openat": 56, "ptrace": 117, "kill": 129, "io_uring_setup": 425}}[os.uname().machine]
 
 
 def refused(action, codes=(errno.EACCES, errno.EPERM, errno.EXDEV)):
@@ -438,8 +441,8 @@ def _attack(attacks: list[str], skip_layers: frozenset[str], limits: SandboxLimi
     assert time.monotonic() - start < limits.timeout_s + MARGIN_S, result
     assert _sandbox_processes() == []
     assert (result.status, result.passed, result.total) == ("ok", len(attacks), len(attacks)), result.detail
-    assert f"landlock-{LANDLOCK_ABI}" in layers
-    assert ("audit-hook" in layers) == ("audit-hook" not in skip_layers)
+    for layer, name in (("landlock", f"landlock-{LANDLOCK_ABI}"), ("seccomp", "seccomp"), ("audit-hook", "audit-hook")):
+        assert (name in layers) == (layer not in skip_layers), layers
     return layers
 
 
@@ -515,6 +518,32 @@ def test_abstract_unix_sockets_outside_are_out_of_reach(config):
         listener.settimeout(0.05)
         with pytest.raises(TimeoutError):
             listener.accept()
+
+
+@pytest.mark.skipif(not HAS_SECCOMP or LANDLOCK_ABI == 0, reason="seccomp filter for x86_64 and aarch64 only")
+@pytest.mark.parametrize("config", SECCOMP_CONFIGS)
+def test_sockets_landlock_does_not_cover_are_refused_by_seccomp(config, tmp_path):
+    # Landlock (up to ABI 7) lets a process connect to a named unix socket anywhere (a Docker or D-Bus socket, say)
+    # and send UDP; the seccomp filter refuses socket(2) itself, and io_uring, which could make sockets without it.
+    path = str(tmp_path / "listener.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        listener.bind(path)
+        listener.listen()
+        udp.bind(("127.0.0.1", 0))
+        attacks = [
+            f"refused(lambda: socket.socket(socket.AF_UNIX).connect({path!r}))",
+            f"refused(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', {udp.getsockname()!r}))",
+            "refused(lambda: syscall('io_uring_setup', 8, bytes(120)))",
+            "(lambda pair: pair[0].send(b'x') and pair[1].recv(1) == b'x')(socket.socketpair())",  # asyncio's
+        ]
+        _attack(attacks, SECCOMP_CONFIGS[config])
+        listener.settimeout(0.05)
+        udp.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+        with pytest.raises(TimeoutError):
+            udp.recv(1)
 
 
 def _fill(size: int) -> str:

@@ -11,8 +11,8 @@ import signal, _posixsubprocess  # loaded now so that stub_unaudited_calls can s
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 from landlock import (  # noqa: E402
-    DEVICE_READ_WRITE_PATHS, SYSTEM_READ_PATHS, drop_capabilities, no_new_privileges, private_network,
-    private_tmpfs, restrict,
+    DEVICE_READ_WRITE_PATHS, SYSTEM_READ_PATHS, deny_sockets, drop_capabilities, no_new_privileges,
+    private_network, private_tmpfs, restrict,
 )
 sys.path[:] = [path for path in sys.path if path != _HERE]
 
@@ -30,7 +30,7 @@ def set_rlimits(rlimits):
 
 
 def confine(workdir, job):
-    """Namespaces and the tmpfs, no-new-privileges, Landlock, no capabilities; returns the names of the layers in
+    """Namespaces and the tmpfs, no-new-privileges, Landlock, seccomp, no capabilities; returns the names of the layers in
     force. A layer the kernel has but that fails to apply raises: the run ends with status error rather than going
     ahead less confined."""
     layers = []
@@ -52,6 +52,8 @@ def confine(workdir, job):
         abi = restrict(reads, [workdir], list(DEVICE_READ_WRITE_PATHS))
         if abi:
             layers.append(f"landlock-{abi}")
+    if "seccomp" not in skip and deny_sockets():
+        layers.append("seccomp")
     drop_capabilities()
     layers.append("no-capabilities")
     return layers

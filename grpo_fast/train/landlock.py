@@ -1,5 +1,5 @@
 """Kernel confinement for the code sandbox's child process: Landlock, a private user, mount and network namespace
-with a size-limited tmpfs as its directory, no-new-privileges and no capabilities.
+with a size-limited tmpfs as its directory, a seccomp filter without sockets, no-new-privileges, no capabilities.
 
 The sandbox's child (``python -I -S``, where grpo_fast is not importable) imports this file as a top-level module
 (see ``_sandbox_child.py``), so it uses the standard library only, and at import time defines constants and
@@ -143,6 +143,43 @@ def drop_capabilities() -> None:
     header = struct.pack("=Ii", _LINUX_CAPABILITY_VERSION_3, 0)
     data = bytes(24)  # two __user_cap_data_struct {u32 effective, permitted, inheritable}, all zero
     _check(_libc().capset(header, data), "capset")
+
+
+# seccomp: struct seccomp_data {int nr; u32 arch; ...}; classic BPF opcodes; native architectures and the numbers of
+# socket(2) there (io_uring_setup is 425 on both)
+_AUDIT_ARCH_SOCKET = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+_SYS_IO_URING_SETUP = 425
+_X32_SYSCALL_BIT = 0x40000000
+_BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
+_SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+
+
+def deny_sockets() -> bool:
+    """A seccomp filter that fails ``socket(2)`` and ``io_uring_setup(2)`` with ``EACCES`` (``socketpair(2)``, which
+    asyncio needs, stays allowed), and every system call of a foreign ABI (i386 through ``int 0x80``, x32) with it.
+    Landlock (up to ABI 7) does not cover connecting to a named unix socket, such as a Docker or D-Bus socket, nor
+    UDP; without ``socket(2)`` no socket reaches anything. False on other architectures. Needs no-new-privileges.
+    """
+    arch = _AUDIT_ARCH_SOCKET.get(os.uname().machine)
+    if arch is None:
+        return False
+    audit_arch, sys_socket = arch
+    deny = _SECCOMP_RET_ERRNO | errno.EACCES
+    program = [  # (code, jump if true, jump if false, k); jumps count the instructions skipped
+        (_BPF_LD_W_ABS, 0, 0, 4),  # A = seccomp_data.arch
+        (_BPF_JEQ_K, 0, 5, audit_arch),
+        (_BPF_LD_W_ABS, 0, 0, 0),  # A = seccomp_data.nr
+        (_BPF_JGE_K, 3, 0, _X32_SYSCALL_BIT),
+        (_BPF_JEQ_K, 2, 0, sys_socket),
+        (_BPF_JEQ_K, 1, 0, _SYS_IO_URING_SETUP),
+        (_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW),
+        (_BPF_RET_K, 0, 0, deny),
+    ]
+    filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in program))
+    fprog = struct.pack("@HP", len(program), ctypes.addressof(filters))  # struct sock_fprog, native alignment
+    _check(_libc().prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog, 0, 0), "prctl(PR_SET_SECCOMP)")
+    return True
 
 
 def private_tmpfs(directory: str, size_bytes: int, max_inodes: int) -> bool:

@@ -19,7 +19,9 @@ these layers (:func:`isolation_layers` says which are active on this machine):
 * **Landlock** (:mod:`grpo_fast.train.landlock`, Linux >= 5.13), after ``PR_SET_NO_NEW_PRIVS``: the kernel lets the
   child write only under its directory and read only the interpreter's trees and the system libraries; nothing
   executes; TCP bind and connect are refused (ABI >= 4); signals and abstract unix sockets cannot reach outside
-  the sandbox (ABI >= 6); no process outside can be traced. The child then drops every capability.
+  the sandbox (ABI >= 6); no process outside can be traced. A **seccomp** filter then refuses ``socket(2)`` and
+  ``io_uring_setup(2)`` (Landlock leaves named unix sockets and UDP open; ``socketpair``, which asyncio needs,
+  stays), and the child drops every capability.
 * **audit hook** (:func:`sys.addaudithook`; Python code cannot remove one), a second layer with readable errors:
   blocks creating and signalling processes, every socket operation but creating an AF_UNIX socket (asyncio needs a
   socket pair), file-system changes and directory opens outside the working directory, opens under ``/proc``,
@@ -35,8 +37,7 @@ signal confinement whatever the completion does, ctypes and raw system calls inc
 kernel, or Landlock off at boot; :func:`code_reward` warns once and its metrics say so) only the audit hook guards
 files and sockets, and it runs in the interpreter it guards: code written to defeat it (by patching the stdlib
 functions it calls, by walking stack frames up to the harness) can. Not confined in either case: reading the
-interpreter's and system libraries' files, CPU and memory beyond the rlimits' accounting, UDP (refused by the
-audit hook and, where namespaces are allowed, unreachable), and kernel bugs. Tests that run in the completion's
+interpreter's and system libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs. Tests that run in the completion's
 own process can also be gamed from inside (say, by returning an object equal to everything).
 """
 
