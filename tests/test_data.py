@@ -101,7 +101,8 @@ def test_load_bad_prompt(tmp_path, prompt):
 
 def test_load_tests_column_parses_json_strings(tmp_path):
     tests = ["assert f(1) == 2", "assert f(2) == 4"]
-    rows = [{"prompt": "a", "tests": json.dumps(tests)}, {"prompt": "b", "tests": tests}, {"prompt": "c", "tests": None}]
+    rows = [{"prompt": "a", "tests": json.dumps(tests)}, {"prompt": "b", "tests": tests},
+            {"prompt": "c", "tests": None}]
     path = _write_parquet(tmp_path / "data.parquet", rows[:1] + rows[2:])  # parquet: a column of JSON strings
     assert [r["tests"] for r in load_records(path, required=("tests",))] == [tests, None]
     path = _write_jsonl(tmp_path / "data.jsonl", rows)

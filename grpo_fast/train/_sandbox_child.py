@@ -30,8 +30,8 @@ def set_rlimits(rlimits):
 
 
 def confine(workdir, job):
-    """Namespaces and the tmpfs, no-new-privileges, Landlock, seccomp, no capabilities; returns the names of the layers in
-    force. A layer the kernel has but that fails to apply raises: the run ends with status error rather than going
+    """Namespaces and the tmpfs, no-new-privileges, Landlock, seccomp, no capabilities; returns the names of the layers
+    in force. A layer the kernel has but that fails to apply raises: the run ends with status error rather than going
     ahead less confined."""
     layers = []
     skip = set(job["skip_layers"])

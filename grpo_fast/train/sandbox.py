@@ -33,12 +33,12 @@ Results come back on a pipe the completion is not told about, each line prefixed
 printing "PASS" gains nothing.
 
 With Landlock (:func:`isolation_layers` lists ``landlock-<ABI>``) the kernel enforces the file-system, network and
-signal confinement whatever the completion does, ctypes and raw system calls included. Without it (an older
-kernel, or Landlock off at boot; :func:`code_reward` warns once and its metrics say so) only the audit hook guards
-files and sockets, and it runs in the interpreter it guards: code written to defeat it (by patching the stdlib
-functions it calls, by walking stack frames up to the harness) can. Not confined in either case: reading the
-interpreter's and system libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs. Tests that run in the completion's
-own process can also be gamed from inside (say, by returning an object equal to everything).
+signal confinement whatever the completion does, ctypes and raw system calls included. Without it (an older kernel, or
+Landlock off at boot; :func:`code_reward` warns once and its metrics say so) only the audit hook guards files and
+sockets, and it runs in the interpreter it guards: code written to defeat it (by patching the stdlib functions it calls,
+by walking stack frames up to the harness) can. Not confined in either case: reading the interpreter's and system
+libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs. Tests that run in the completion's own
+process can also be gamed from inside (say, by returning an object equal to everything).
 """
 
 from __future__ import annotations
