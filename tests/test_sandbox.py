@@ -673,11 +673,12 @@ def test_code_reward_on_strings_chat_messages_and_missing_tests():
         "no tests for this one",
         "nor for this one",
         "def f(x):\n    return x + 1\n",
+        "nor for this one, whose empty list is stored as a JSON string",
     ]
     tests = [["assert f(1) == 2", "assert f(2) == 3"], ["assert f(1) == 2", "assert f(0) == 0"], "assert f(0) == 1",
-             None, [], '["assert f(0) == 1", "assert f(0) == 2"]']  # the last: a list stored as a JSON string
-    rewards = code_reward(["prompt"] * 6, completions, tests, limits=FAST, answer=[None] * 6)
-    assert rewards == [1.0, 0.5, 1.0, None, None, 0.5]
+             None, [], '["assert f(0) == 1", "assert f(0) == 2"]', "[]"]  # lists stored as JSON strings
+    rewards = code_reward(["prompt"] * 7, completions, tests, limits=FAST, answer=[None] * 7)
+    assert rewards == [1.0, 0.5, 1.0, None, None, 0.5, None]
 
 
 def test_code_reward_checks_lengths():

@@ -159,7 +159,8 @@ def deny_sockets() -> bool:
     """A seccomp filter that fails ``socket(2)`` and ``io_uring_setup(2)`` with ``EACCES`` (``socketpair(2)``, which
     asyncio needs, stays allowed), and every system call of a foreign ABI (i386 through ``int 0x80``, x32) with it.
     Landlock (up to ABI 7) does not cover connecting to a named unix socket, such as a Docker or D-Bus socket, nor
-    UDP; without ``socket(2)`` no socket reaches anything. False on other architectures. Needs no-new-privileges.
+    UDP; without ``socket(2)`` no socket reaches anything. False on other architectures and on kernels without
+    seccomp filters. Needs no-new-privileges.
     """
     arch = _AUDIT_ARCH_SOCKET.get(os.uname().machine)
     if arch is None:
@@ -178,7 +179,10 @@ def deny_sockets() -> bool:
     ]
     filters = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *op) for op in program))
     fprog = struct.pack("@HP", len(program), ctypes.addressof(filters))  # struct sock_fprog, native alignment
-    _check(_libc().prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog, 0, 0), "prctl(PR_SET_SECCOMP)")
+    if _libc().prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, fprog, 0, 0) != 0:
+        if ctypes.get_errno() == errno.EINVAL:  # a kernel built without seccomp filters
+            return False
+        _check(-1, "prctl(PR_SET_SECCOMP)")
     return True
 
 

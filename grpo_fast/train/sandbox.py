@@ -216,10 +216,10 @@ def code_reward(
     isolation_layers()
 
     def score(completion: str | list[dict[str, Any]], case_tests: list[str] | str | None) -> float | None:
+        if isinstance(case_tests, str) and (parsed := json_test_list(case_tests)) is not None:
+            case_tests = parsed
         if not case_tests:
             return None
-        if isinstance(case_tests, str):
-            case_tests = json_test_list(case_tests) or case_tests
         return run_tests(extract_code(_completion_text(completion)), case_tests, limits).fraction
 
     with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, _MAX_WORKERS)) as pool:
