@@ -34,11 +34,11 @@ printing "PASS" gains nothing.
 
 With Landlock (:func:`isolation_layers` lists ``landlock-<ABI>``) the kernel enforces the file-system, network and
 signal confinement whatever the completion does, ctypes and raw system calls included. Without it (an older kernel, or
-Landlock off at boot; :func:`code_reward` warns once and its metrics say so) only the audit hook guards files and
-sockets, and it runs in the interpreter it guards: code written to defeat it (by patching the stdlib functions it calls,
-by walking stack frames up to the harness) can. Not confined in either case: reading the interpreter's and system
-libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs. Tests that run in the completion's own
-process can also be gamed from inside (say, by returning an object equal to everything).
+Landlock off at boot; :func:`code_reward` warns once and its metrics say so) only the audit hook guards files (seccomp
+still refuses sockets), and it runs in the interpreter it guards: code written to defeat it (by patching the stdlib
+functions it calls, by walking stack frames up to the harness) can. Not confined in either case: reading the
+interpreter's and system libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs. Tests that
+run in the completion's own process can also be gamed from inside (say, by returning an object equal to everything).
 """
 
 from __future__ import annotations
@@ -234,7 +234,8 @@ def isolation_layers() -> tuple[str, ...]:
     kill), ``"rlimits"``, ``"no-new-privs"``, ``"no-capabilities"`` and ``"audit-hook"``. Where the kernel allows
     unprivileged user namespaces: ``"user-namespace"``, ``"network-namespace"`` and ``"disk-tmpfs"``, else
     ``"disk-watchdog"`` (and ``"network-namespace"`` alone where it allows that, as root). ``"landlock-<ABI>"``
-    where the kernel has Landlock; without it this logs a warning (once, being cached).
+    where the kernel has Landlock (without it this logs a warning, once, being cached); ``"seccomp"`` on x86_64 and
+    aarch64.
     """
     _require_linux()
     result, layers = _run_child("", [], SandboxLimits())
@@ -244,8 +245,9 @@ def isolation_layers() -> tuple[str, ...]:
     if not any(layer.startswith("landlock-") for layer in layers):
         logger.warning(
             "the code sandbox runs without Landlock: this kernel (%s) does not offer it (Linux >= 5.13 with "
-            "CONFIG_SECURITY_LANDLOCK, 'landlock' in the lsm= boot list). File-system and network confinement "
-            "rest on the audit hook alone, which code written to defeat it can; see docs/train.md.",
+            "CONFIG_SECURITY_LANDLOCK, 'landlock' in the lsm= boot list). Writes outside the sandbox's directory "
+            "are refused by the audit hook alone, which code written to defeat it can pass, and reads elsewhere "
+            "are allowed; see docs/train.md.",
             os.uname().release,
         )
     return ("process-group", *layers, *disk)
