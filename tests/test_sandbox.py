@@ -37,7 +37,10 @@ from grpo_fast.train.sandbox import (
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox runs on Linux only")
 
-FAST = SandboxLimits(timeout_s=2.0, cpu_time_s=2.0, memory_mb=256)
+# Runs that end on their own (or on the memory or output limit) take well under a second; these limits are only
+# there to stop a broken run, and sit far enough apart and high enough that a loaded machine (CI: 2 cores, many
+# jobs) neither hits them nor lets one race the other.
+ROOMY = SandboxLimits(timeout_s=10.0, cpu_time_s=20.0, memory_mb=256)
 MARGIN_S = 1.5  # start-up, kill and clean-up on top of the wall-clock limit, on a busy 2-core machine
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -80,7 +83,7 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _timed_run(code: str, tests: list[str] | str, limits: SandboxLimits = FAST) -> SandboxResult:
+def _timed_run(code: str, tests: list[str] | str, limits: SandboxLimits = ROOMY) -> SandboxResult:
     """run_tests, checking that it returned within the wall-clock limit and left no process behind."""
     start = time.monotonic()
     result = run_tests(code, tests, limits)
@@ -168,7 +171,7 @@ def test_environment_is_scrubbed_and_isolated(monkeypatch):
 
 
 def test_rlimits_are_set_in_the_child():
-    limits = SandboxLimits(timeout_s=2.0, cpu_time_s=1.5, memory_mb=200, file_size_mb=1)
+    limits = SandboxLimits(timeout_s=10.0, cpu_time_s=1.5, memory_mb=200, file_size_mb=1)
     tests = [
         "import resource as r; assert r.getrlimit(r.RLIMIT_CPU) == (2, 2)",
         "import resource as r; assert r.getrlimit(r.RLIMIT_AS) == (200 << 20, 200 << 20)",
@@ -211,15 +214,17 @@ def test_infinite_loop_times_out_and_leaves_no_process():
 
 
 def test_cpu_limit_kills_a_busy_loop():
-    result = _timed_run("while True:\n    pass\n", ["assert True"], SandboxLimits(timeout_s=5.0, cpu_time_s=1.0))
+    # the wall clock far above the CPU limit: on a loaded machine the child gets a fraction of a core
+    result = _timed_run("while True:\n    pass\n", ["assert True"], SandboxLimits(timeout_s=60.0, cpu_time_s=1.0))
     assert (result.passed, result.status) == (0, "killed")
     assert "SIGKILL" in result.detail
 
 
 def test_tests_passed_before_a_timeout_count():
     # The CPU limit sits well above the wall clock, so the wall clock is what stops the loop (with both at 2 s the
-    # kernel's CPU limit could fire first and the run ended "killed").
-    limits = SandboxLimits(timeout_s=1.5, cpu_time_s=4.0)
+    # kernel's CPU limit could fire first and the run ended "killed"); 3 s leave a loaded machine time to start the
+    # interpreter and pass the first test.
+    limits = SandboxLimits(timeout_s=3.0, cpu_time_s=6.0)
     result = _timed_run(DOUBLE, ["assert f(1) == 2", "while True:\n    pass", "assert f(2) == 4"], limits)
     assert (result.passed, result.total, result.status) == (1, 3, "timeout")
 
@@ -432,11 +437,6 @@ def victim():
     finally:
         proc.kill()
         proc.wait()
-
-
-# The attacks end in well under a second; the roomy limits only keep a loaded machine from stopping them (neither
-# limit is meant to fire, so they cannot race each other).
-ROOMY = SandboxLimits(timeout_s=10.0, cpu_time_s=20.0, memory_mb=256)
 
 
 def _attack(attacks: list[str], skip_layers: frozenset[str], limits: SandboxLimits = ROOMY) -> tuple[str, ...]:
@@ -657,7 +657,7 @@ def test_early_exit_scores_zero():
 def test_directories_without_permissions_are_removed():
     # without the namespaces: with them the files live in the child's private tmpfs, which the parent never sees
     code = "import os\nos.makedirs('a/b')\nos.chmod('a/b', 0)\nos.chmod('a', 0)\nos.mkdir('c', 0)\n"
-    result, layers = sandbox._run_child(code, ["assert True"], FAST, frozenset({"namespaces"}))
+    result, layers = sandbox._run_child(code, ["assert True"], ROOMY, frozenset({"namespaces"}))
     assert "disk-tmpfs" not in layers
     assert result.status == "ok", result.detail
 
@@ -677,7 +677,7 @@ def test_code_reward_on_strings_chat_messages_and_missing_tests():
     ]
     tests = [["assert f(1) == 2", "assert f(2) == 3"], ["assert f(1) == 2", "assert f(0) == 0"], "assert f(0) == 1",
              None, [], '["assert f(0) == 1", "assert f(0) == 2"]', "[]"]  # lists stored as JSON strings
-    rewards = code_reward(["prompt"] * 7, completions, tests, limits=FAST, answer=[None] * 7)
+    rewards = code_reward(["prompt"] * 7, completions, tests, limits=ROOMY, answer=[None] * 7)
     assert rewards == [1.0, 0.5, 1.0, None, None, 0.5, None]
 
 
@@ -737,7 +737,7 @@ def test_parallel_runs_stay_independent():
 
     def run(value: int) -> SandboxResult:
         barrier.wait()
-        return run_tests(f"v = {value}", [f"assert v == {value}"], FAST)
+        return run_tests(f"v = {value}", [f"assert v == {value}"], ROOMY)
 
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(run, range(3)))
