@@ -39,7 +39,7 @@ _WRITE = (_READ | FS_WRITE_FILE | FS_REMOVE_DIR | FS_REMOVE_FILE | FS_MAKE_DIR |
           | FS_MAKE_FIFO | FS_MAKE_SYM | FS_REFER | FS_TRUNCATE)
 
 # The system directories the interpreter's C extensions load shared libraries from, and the few files it or libc
-# reads; the interpreter's own trees (sys.path, sys.base_prefix) are added by the caller.
+# reads; the interpreter's own (its sys.path, its prefixes' lib directories) are added by the caller.
 SYSTEM_READ_PATHS = ("/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/local/lib",
                      "/etc/ld.so.cache", "/etc/localtime", "/usr/share/zoneinfo", "/dev/urandom", "/dev/random",
                      "/dev/zero")
