@@ -106,6 +106,38 @@ def test_load_bad_prompt(tmp_path, prompt):
         load_records(path)
 
 
+def test_load_tests_column_parses_json_strings(tmp_path):
+    tests = ["assert f(1) == 2", "assert f(2) == 4"]
+    rows = [{"prompt": "a", "tests": json.dumps(tests)}, {"prompt": "b", "tests": tests},
+            {"prompt": "c", "tests": None}]
+    path = _write_parquet(tmp_path / "data.parquet", rows[:1] + rows[2:])  # parquet: a column of JSON strings
+    assert [r["tests"] for r in load_records(path, required=("tests",))] == [tests, None]
+    path = _write_jsonl(tmp_path / "data.jsonl", rows)
+    assert [r["tests"] for r in load_records(path, required=("tests",))] == [tests, tests, None]
+    # a column the code reward does not use is left as it is
+    assert load_records(path)[0]["tests"] == json.dumps(tests)
+
+
+@pytest.mark.parametrize(
+    ("tests", "got"),
+    [
+        ("['assert True']", "the string \"['assert True']\""),  # a Python literal: would run as one passing test
+        ("assert f(1) == 2", "the string 'assert f(1) == 2'"),
+        ('["assert True", 3]', "the string '[\"assert True\", 3]'"),
+        ('{"a": "assert True"}', "the string '{\"a\": \"assert True\"}'"),
+        (["assert True", 3], "['assert True', 3] (list)"),
+        (7, "7 (int)"),
+    ],
+)
+def test_load_tests_column_refuses_anything_else_with_the_row(tmp_path, tests, got):
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps([{"prompt": "ok", "tests": ["assert True"]}, {"prompt": "p", "tests": tests}]))
+    message = (f"data.json, item 1: column 'tests' must be a list of test snippets (strings), or a string holding "
+               f"a JSON list of them, got {got}")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_records(path, required=("tests",))
+
+
 def test_load_file_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         load_records(tmp_path / "nope.jsonl")

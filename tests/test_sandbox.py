@@ -6,9 +6,11 @@ also check the status, the score and that the run returned within its wall-clock
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -18,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from grpo_fast.train import landlock, sandbox
+from grpo_fast.train.rewards import reward_metrics
 from grpo_fast.train.sandbox import (
     STATUSES,
     TEMP_PREFIX,
@@ -26,16 +30,30 @@ from grpo_fast.train.sandbox import (
     code_reward,
     extract_code,
     isolation_layers,
+    json_test_list,
     run_tests,
+    sandbox_metrics,
 )
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox runs on Linux only")
 
-FAST = SandboxLimits(timeout_s=2.0, cpu_time_s=2.0, memory_mb=256)
+# Runs that end on their own (or on the memory or output limit) take well under a second; these limits are only
+# there to stop a broken run, and sit far enough apart and high enough that a loaded machine (CI: 2 cores, many
+# jobs) neither hits them nor lets one race the other.
+ROOMY = SandboxLimits(timeout_s=10.0, cpu_time_s=20.0, memory_mb=256)
 MARGIN_S = 1.5  # start-up, kill and clean-up on top of the wall-clock limit, on a busy 2-core machine
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DOUBLE = "def f(x):\n    return 2 * x\n"
+
+LANDLOCK_ABI = landlock.abi_version() if sys.platform.startswith("linux") else 0
+needs_landlock = pytest.mark.skipif(
+    LANDLOCK_ABI == 0, reason="this kernel offers no Landlock (Linux >= 5.13 with Landlock enabled at boot)")
+# The hostile completions below run under every layer, and under Landlock (or seccomp) alone, without the audit
+# hook and the namespaces, to show that the kernel refuses them whatever the Python-level layer does.
+CONFIGS = {"all-layers": frozenset(), "landlock-alone": frozenset({"audit-hook", "namespaces", "seccomp"})}
+SECCOMP_CONFIGS = {"all-layers": frozenset(), "seccomp-alone": frozenset({"audit-hook", "namespaces", "landlock"})}
+HAS_SECCOMP = os.uname().machine in ("x86_64", "aarch64") if sys.platform.startswith("linux") else False
 
 
 def _sandbox_dirs() -> set[str]:
@@ -65,7 +83,7 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _timed_run(code: str, tests: list[str] | str, limits: SandboxLimits = FAST) -> SandboxResult:
+def _timed_run(code: str, tests: list[str] | str, limits: SandboxLimits = ROOMY) -> SandboxResult:
     """run_tests, checking that it returned within the wall-clock limit and left no process behind."""
     start = time.monotonic()
     result = run_tests(code, tests, limits)
@@ -153,7 +171,7 @@ def test_environment_is_scrubbed_and_isolated(monkeypatch):
 
 
 def test_rlimits_are_set_in_the_child():
-    limits = SandboxLimits(timeout_s=2.0, cpu_time_s=1.5, memory_mb=200, file_size_mb=1)
+    limits = SandboxLimits(timeout_s=10.0, cpu_time_s=1.5, memory_mb=200, file_size_mb=1)
     tests = [
         "import resource as r; assert r.getrlimit(r.RLIMIT_CPU) == (2, 2)",
         "import resource as r; assert r.getrlimit(r.RLIMIT_AS) == (200 << 20, 200 << 20)",
@@ -169,8 +187,14 @@ def test_rlimits_are_set_in_the_child():
 
 def test_isolation_layers():
     layers = isolation_layers()
-    assert {"process-group", "rlimits", "audit-hook"} <= set(layers)
-    assert set(layers) <= {"process-group", "rlimits", "audit-hook", "network-namespace"}
+    assert {"process-group", "rlimits", "no-new-privs", "no-capabilities", "audit-hook"} <= set(layers)
+    assert ("disk-tmpfs" in layers) != ("disk-watchdog" in layers)
+    landlock_layers = [layer for layer in layers if layer.startswith("landlock-")]
+    assert landlock_layers == ([f"landlock-{LANDLOCK_ABI}"] if LANDLOCK_ABI else [])
+    assert ("seccomp" in layers) == HAS_SECCOMP
+    others = {"process-group", "rlimits", "no-new-privs", "no-capabilities", "audit-hook", "user-namespace",
+              "network-namespace", "disk-tmpfs", "disk-watchdog", "seccomp"}
+    assert set(layers) - set(landlock_layers) <= others
 
 
 # ------------------------------------------------------------------------------------------- hostile completions
@@ -190,15 +214,17 @@ def test_infinite_loop_times_out_and_leaves_no_process():
 
 
 def test_cpu_limit_kills_a_busy_loop():
-    result = _timed_run("while True:\n    pass\n", ["assert True"], SandboxLimits(timeout_s=5.0, cpu_time_s=1.0))
+    # the wall clock far above the CPU limit: on a loaded machine the child gets a fraction of a core
+    result = _timed_run("while True:\n    pass\n", ["assert True"], SandboxLimits(timeout_s=60.0, cpu_time_s=1.0))
     assert (result.passed, result.status) == (0, "killed")
     assert "SIGKILL" in result.detail
 
 
 def test_tests_passed_before_a_timeout_count():
     # The CPU limit sits well above the wall clock, so the wall clock is what stops the loop (with both at 2 s the
-    # kernel's CPU limit could fire first and the run ended "killed").
-    limits = SandboxLimits(timeout_s=1.5, cpu_time_s=4.0)
+    # kernel's CPU limit could fire first and the run ended "killed"); 3 s leave a loaded machine time to start the
+    # interpreter and pass the first test.
+    limits = SandboxLimits(timeout_s=3.0, cpu_time_s=6.0)
     result = _timed_run(DOUBLE, ["assert f(1) == 2", "while True:\n    pass", "assert f(2) == 4"], limits)
     assert (result.passed, result.total, result.status) == (1, 3, "timeout")
 
@@ -282,7 +308,7 @@ def test_file_system_changes_outside_are_blocked(tmp_path):
         "import subprocess; subprocess.run(['true'])",
         "import os; os.execv('/bin/true', ['true'])",
         "import os; os.posix_spawn('/bin/true', ['true'], {})",
-        "import pty; pty.fork()",
+        "import pty; pty.fork()",  # (OSError: with Landlock, /dev/ptmx cannot be opened either)
         "import multiprocessing as mp; mp.get_context('spawn').Process(target=print).start()",
         "import sys; del sys.modules['_posixsubprocess']; import _posixsubprocess",
         "import os; os.kill(os.getppid(), 0)",
@@ -298,7 +324,8 @@ def test_file_system_changes_outside_are_blocked(tmp_path):
 )
 def test_escape_attempts_are_blocked(probe):
     code = f"def attempt():\n    {probe}\n"
-    result = _timed_run(code, ["try:\n    attempt()\nexcept PermissionError:\n    pass\nelse:\n    assert False"])
+    refusal = "OSError" if "pty" in probe else "PermissionError"
+    result = _timed_run(code, [f"try:\n    attempt()\nexcept {refusal}:\n    pass\nelse:\n    assert False"])
     assert result.status == "ok", result.detail
 
 
@@ -319,6 +346,281 @@ def test_network_connection_is_blocked():
             listener.accept()
     assert (result.passed, result.status) == (0, "error")
     assert "PermissionError" in result.detail
+
+
+# ------------------------------------------------------------------------------ kernel-enforced confinement
+
+# Defined in the completion, used by the attack snippets: refused(action) is True when the action raises what the
+# sandbox answers with: PermissionError (the audit hook; Landlock's EACCES and EPERM) or EXDEV (Landlock refuses
+# links and renames across the boundary with it), and False when the action succeeds.
+ATTACK_HELPERS = """
+import ctypes, errno, io, mmap, os, shutil, socket, sqlite3
+
+SYS = {"x86_64": {"openat": 257, "ptrace": 101, "kill": 62, "io_uring_setup": 425},
+       "aarch64": {"openat": 56, "ptrace": 117, "kill": 129, "io_uring_setup": 425}}[os.uname().machine]
+
+
+def refused(action, codes=(errno.EACCES, errno.EPERM, errno.EXDEV)):
+    try:
+        action()
+    except PermissionError:
+        return True
+    except OSError as e:
+        return e.errno in codes
+    except sqlite3.OperationalError as e:
+        return "unable to open database file" in str(e)
+    return False
+
+
+def syscall(name, *args):
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    result = libc.syscall(SYS[name], *args)
+    if result < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return result
+
+
+def libc_open(path, flags):
+    fd = ctypes.CDLL(None, use_errno=True).open(path.encode(), flags, 0o644)
+    if fd < 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
+    return fd
+
+
+def escape_dir_fd(target, flags):
+    # The audit event of os.open carries no dir_fd: it resolves the relative path against the working directory,
+    # n levels below the sandbox's directory, where it stays inside; the kernel resolves it against dir_fd, the
+    # sandbox's directory, from where the same n levels up reach "/".
+    n = os.getcwd().count("/")
+    deep = "/".join(["d"] * n)
+    os.makedirs(deep, exist_ok=True)
+    top = os.open(".", os.O_RDONLY)
+    os.chdir(deep)
+    try:
+        return os.open("../" * n + target.lstrip("/"), flags, dir_fd=top)
+    finally:
+        os.fchdir(top)
+        os.close(top)
+
+
+def sqlite_outside(path):
+    sqlite3.connect(path).execute("create table t (x)")
+"""
+
+CREATE = "os.O_CREAT | os.O_WRONLY"
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """A directory outside the sandbox with a canary file in it; after the test, it must hold just the canary."""
+    canary = tmp_path / "canary.txt"
+    canary.write_text("intact")
+    os.chmod(canary, 0o644)
+    yield tmp_path
+    assert canary.read_text() == "intact"
+    assert canary.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["canary.txt"]
+
+
+@pytest.fixture
+def victim():
+    """A process outside the sandbox that the completion tries to kill and trace; it must end the test alive."""
+    proc = subprocess.Popen(["sleep", "60"])
+    yield proc.pid
+    try:
+        assert proc.poll() is None, "the victim process was killed"
+        with open(f"/proc/{proc.pid}/status") as f:
+            assert "TracerPid:\t0\n" in f.read(), "the victim process is being traced"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _attack(attacks: list[str], skip_layers: frozenset[str], limits: SandboxLimits = ROOMY) -> tuple[str, ...]:
+    """Run each attack as one test in one child; every attack must be refused. Returns the child's layers."""
+    start = time.monotonic()
+    result, layers = sandbox._run_child(ATTACK_HELPERS, [f"assert {a}" for a in attacks], limits, skip_layers)
+    assert time.monotonic() - start < limits.timeout_s + MARGIN_S, result
+    assert _sandbox_processes() == []
+    assert (result.status, result.passed, result.total) == ("ok", len(attacks), len(attacks)), result.detail
+    for layer, name in (("landlock", f"landlock-{LANDLOCK_ABI}"), ("seccomp", "seccomp"), ("audit-hook", "audit-hook")):
+        assert (name in layers) == (layer not in skip_layers), layers
+    return layers
+
+
+@needs_landlock
+@pytest.mark.parametrize("config", CONFIGS)
+def test_file_system_attacks_are_refused_by_the_kernel(config, outside):
+    out, canary = str(outside), str(outside / "canary.txt")
+    name = f"sandbox-escape-{uuid.uuid4().hex}"
+    attacks = [
+        # the probe's escapes: sqlite3 opens files in C, and the audit event of os.open has no dir_fd
+        f"refused(lambda: sqlite_outside({out + '/x.db'!r}))",
+        f"refused(lambda: escape_dir_fd({out + '/dir_fd'!r}, {CREATE}))",
+        "refused(lambda: escape_dir_fd('/proc/self/status', os.O_RDONLY))",
+        # raw system calls and libc, past any Python-level check
+        f"refused(lambda: syscall('openat', -100, {out + '/raw'!r}.encode(), {CREATE}, 0o644))",
+        f"refused(lambda: libc_open({out + '/libc'!r}, {CREATE}))",
+        # links, renames and symlinks across the boundary, both ways
+        f"refused(lambda: os.link({canary!r}, 'hardlink'))",
+        f"refused(lambda: os.rename({canary!r}, 'stolen'))",
+        f"(open('mine', 'w').close(), refused(lambda: os.rename('mine', {out + '/moved'!r})))[1]",
+        f"(os.symlink({out!r}, 'out'), refused(lambda: open('out/canary.txt', 'w')))[1]",
+        # reading and mapping files outside, other write paths
+        f"refused(lambda: open({canary!r}).read())",
+        f"refused(lambda: mmap.mmap(os.open({canary!r}, os.O_RDWR), 0))",
+        f"refused(lambda: io.FileIO({out + '/fileio'!r}, 'w'))",
+        f"(open('src', 'w').close(), refused(lambda: shutil.copy('src', {out + '/copy'!r})))[1]",
+        f"refused(lambda: open('/dev/shm/{name}', 'w'))",
+        f"refused(lambda: open(os.path.expanduser('~/../{name}'), 'w'))",
+        # the parent's memory, and /proc at all
+        "refused(lambda: open(f'/proc/{os.getppid()}/mem', 'rb'))",
+        "refused(lambda: open('/proc/self/status'))",
+    ]
+    _attack(attacks, CONFIGS[config])
+    assert not os.path.exists(f"/dev/shm/{name}")
+    assert not os.path.exists(os.path.join(tempfile.gettempdir(), name))
+
+
+@needs_landlock
+@pytest.mark.parametrize("config", CONFIGS)
+def test_processes_outside_cannot_be_signalled_or_traced(config, victim):
+    attacks = [f"refused(lambda: syscall('ptrace', 16, {victim}, 0, 0))"]  # PTRACE_ATTACH (Landlock, any ABI)
+    if LANDLOCK_ABI >= 6:  # signal scoping; below it a process of the same user may signal the victim
+        attacks += [f"refused(lambda: syscall('kill', {victim}, 9))",
+                    "refused(lambda: syscall('kill', os.getppid(), 0))"]
+    _attack(attacks, CONFIGS[config])
+
+
+@needs_landlock
+@pytest.mark.skipif(LANDLOCK_ABI < 4, reason=f"TCP rules need Landlock ABI 4, this kernel offers {LANDLOCK_ABI}")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_tcp_connect_and_bind_are_refused_by_the_kernel(config):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        attacks = [
+            f"refused(lambda: socket.create_connection(('127.0.0.1', {port}), timeout=1))",
+            "refused(lambda: socket.socket().bind(('127.0.0.1', 0)))",
+        ]
+        _attack(attacks, CONFIGS[config])
+        listener.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+
+@needs_landlock
+@pytest.mark.skipif(LANDLOCK_ABI < 6, reason=f"socket scoping needs Landlock ABI 6, this kernel has {LANDLOCK_ABI}")
+@pytest.mark.parametrize("config", CONFIGS)
+def test_abstract_unix_sockets_outside_are_out_of_reach(config):
+    address = f"\0grpo-sandbox-test-{uuid.uuid4().hex}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(address)
+        listener.listen()
+        connect = f"socket.socket(socket.AF_UNIX).connect({address!r})"
+        attack = f"refused(lambda: {connect}, (errno.EPERM, errno.ECONNREFUSED))"
+        _attack([attack], CONFIGS[config])
+        listener.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+
+
+@pytest.mark.skipif(not HAS_SECCOMP or LANDLOCK_ABI == 0, reason="seccomp filter for x86_64 and aarch64 only")
+@pytest.mark.parametrize("config", SECCOMP_CONFIGS)
+def test_sockets_landlock_does_not_cover_are_refused_by_seccomp(config, tmp_path):
+    # Landlock (up to ABI 7) lets a process connect to a named unix socket anywhere (a Docker or D-Bus socket, say)
+    # and send UDP; the seccomp filter refuses socket(2) itself, and io_uring, which could make sockets without it.
+    path = str(tmp_path / "listener.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener, \
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp:
+        listener.bind(path)
+        listener.listen()
+        udp.bind(("127.0.0.1", 0))
+        attacks = [
+            f"refused(lambda: socket.socket(socket.AF_UNIX).connect({path!r}))",
+            f"refused(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', {udp.getsockname()!r}))",
+            "refused(lambda: syscall('io_uring_setup', 8, bytes(120)))",
+            "(lambda pair: pair[0].send(b'x') and pair[1].recv(1) == b'x')(socket.socketpair())",  # asyncio's
+        ]
+        _attack(attacks, SECCOMP_CONFIGS[config])
+        listener.settimeout(0.05)
+        udp.settimeout(0.05)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+        with pytest.raises(TimeoutError):
+            udp.recv(1)
+
+
+def _fill(size: int) -> str:
+    """A test that writes files of ``size`` bytes until a write fails, and checks that it failed for lack of room;
+    it leaves ``written`` (bytes) and ``files`` in the namespace."""
+    return (
+        "import errno\nwritten = files = 0\ntry:\n    while files < 100000:\n"
+        f"        with open(f'f{{files}}', 'wb') as f:\n            files += 1\n            f.write(b'x' * {size})\n"
+        f"        written += {size}\n"
+        "except OSError as e:\n    assert e.errno == errno.ENOSPC, e\nelse:\n    raise AssertionError('no limit')\n"
+    )
+
+
+def test_disk_budget_is_a_private_tmpfs():
+    if "disk-tmpfs" not in isolation_layers():
+        pytest.skip("this kernel refuses unprivileged user namespaces (the watchdog tests cover the fallback)")
+    limits = SandboxLimits(timeout_s=5.0, cpu_time_s=10.0, disk_mb=2, max_files=50)
+    tests = [
+        _fill(1 << 20) + "assert written <= 2 << 20 and files <= 3, (written, files)",  # big files: the bytes
+        "import os\nfor name in os.listdir('.'):\n    os.remove(name)",
+        _fill(0) + "assert files == 50, files",  # the probe's "many files", empty: the inodes
+    ]
+    result = _timed_run("", tests, limits)
+    assert result.status == "ok", result.detail
+
+
+@pytest.mark.parametrize(("size", "limits"), [
+    (0, SandboxLimits(timeout_s=5.0, cpu_time_s=10.0, max_files=50)),
+    (100_000, SandboxLimits(timeout_s=5.0, cpu_time_s=10.0, disk_mb=1)),
+], ids=["many-files", "many-bytes"])
+def test_disk_watchdog_kills_a_child_past_the_budget(size, limits):
+    # Without the namespaces the parent's watchdog stops the writer long before the wall clock, the only other
+    # limit that could (the CPU limit is higher, and no write fails).
+    code = f"i = 0\nwhile True:\n    with open(f'f{{i}}', 'wb') as f:\n        f.write(b'x' * {size})\n    i += 1\n"
+    start = time.monotonic()
+    result, layers = sandbox._run_child(code, ["assert True"], limits, frozenset({"namespaces"}))
+    assert time.monotonic() - start < limits.timeout_s + MARGIN_S
+    assert "disk-tmpfs" not in layers
+    assert (result.passed, result.status) == (0, "disk_limit"), result.detail
+    assert f"the directory passed {limits.max_files} files or {limits.disk_mb} MiB" in result.detail
+
+
+def test_without_landlock_the_warning_and_metrics_say_so(monkeypatch, caplog):
+    skip_landlock = frozenset({"landlock"})
+    monkeypatch.setattr(sandbox, "_run_child", lambda code, tests, limits: _real_run_child(code, tests, limits,
+                                                                                          skip_landlock))
+    with caplog.at_level("WARNING", logger="grpo_fast.train"):
+        layers = isolation_layers.__wrapped__()
+    assert not any(layer.startswith("landlock-") for layer in layers)
+    assert "the code sandbox runs without Landlock" in caplog.text
+    monkeypatch.setattr(sandbox, "isolation_layers", lambda: layers)
+    assert sandbox_metrics()["landlock_abi"] == 0.0
+
+
+_real_run_child = sandbox._run_child
+
+
+def test_metrics_report_the_layers_in_force():
+    metrics = sandbox_metrics()
+    assert metrics == {"landlock_abi": float(LANDLOCK_ABI), "disk_tmpfs": float("disk-tmpfs" in isolation_layers())}
+    assert reward_metrics([code_reward]) == {f"rewards/code_reward/{k}": v for k, v in metrics.items()}
+    assert reward_metrics([lambda prompts, completions, **kw: []]) == {}
+
+
+def test_json_test_lists():
+    assert json_test_list('["assert f(1) == 2", "assert f(2) == 4"]') == ["assert f(1) == 2", "assert f(2) == 4"]
+    assert json_test_list("assert f(1) == 2") is None
+    assert json_test_list("[1, 2]") is None
+    assert json_test_list("['assert True']") is None  # a Python literal, not JSON
+    assert json_test_list('"assert True"') is None
 
 
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
@@ -353,8 +655,10 @@ def test_early_exit_scores_zero():
 
 
 def test_directories_without_permissions_are_removed():
+    # without the namespaces: with them the files live in the child's private tmpfs, which the parent never sees
     code = "import os\nos.makedirs('a/b')\nos.chmod('a/b', 0)\nos.chmod('a', 0)\nos.mkdir('c', 0)\n"
-    result = _timed_run(code, ["assert True"])
+    result, layers = sandbox._run_child(code, ["assert True"], ROOMY, frozenset({"namespaces"}))
+    assert "disk-tmpfs" not in layers
     assert result.status == "ok", result.detail
 
 
@@ -368,11 +672,13 @@ def test_code_reward_on_strings_chat_messages_and_missing_tests():
         "def f(x):\n    return x + 1\n",
         "no tests for this one",
         "nor for this one",
+        "def f(x):\n    return x + 1\n",
+        "nor for this one, whose empty list is stored as a JSON string",
     ]
     tests = [["assert f(1) == 2", "assert f(2) == 3"], ["assert f(1) == 2", "assert f(0) == 0"], "assert f(0) == 1",
-             None, []]
-    rewards = code_reward(["prompt"] * 5, completions, tests, limits=FAST, answer=[None] * 5)
-    assert rewards == [1.0, 0.5, 1.0, None, None]
+             None, [], '["assert f(0) == 1", "assert f(0) == 2"]', "[]"]  # lists stored as JSON strings
+    rewards = code_reward(["prompt"] * 7, completions, tests, limits=ROOMY, answer=[None] * 7)
+    assert rewards == [1.0, 0.5, 1.0, None, None, 0.5, None]
 
 
 def test_code_reward_checks_lengths():
@@ -431,7 +737,7 @@ def test_parallel_runs_stay_independent():
 
     def run(value: int) -> SandboxResult:
         barrier.wait()
-        return run_tests(f"v = {value}", [f"assert v == {value}"], FAST)
+        return run_tests(f"v = {value}", [f"assert v == {value}"], ROOMY)
 
     with ThreadPoolExecutor(3) as pool:
         results = list(pool.map(run, range(3)))

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from grpo_fast.train.sandbox import json_test_list
+
 Prompt = str | list[dict[str, str]]
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -41,7 +43,22 @@ def _check_row(row: Any, where: str, prompt_column: str, required: Sequence[str]
             f"{where}: column {prompt_column!r} must be a string or a non-empty list of chat messages "
             f"{{'role': str, 'content': str}}, got {prompt!r:.200}"
         )
+    if "tests" in required:  # the code reward's column
+        row["tests"] = _tests_column(row["tests"], where)
     return row
+
+
+def _tests_column(tests: Any, where: str) -> list[str] | None:
+    """The ``tests`` column as a list of snippets: a list of strings as is, a string holding a JSON list of strings
+    (as parquet files often store lists) parsed; ``None`` stays (the sample goes unscored). Anything else is
+    refused: a string would run as one test, and one holding a list literal passes for any code that parses."""
+    if tests is None or (isinstance(tests, list) and all(isinstance(test, str) for test in tests)):
+        return tests
+    if isinstance(tests, str) and (parsed := json_test_list(tests)) is not None:
+        return parsed
+    got = f"the string {tests!r:.200}" if isinstance(tests, str) else f"{tests!r:.200} ({type(tests).__name__})"
+    raise ValueError(f"{where}: column 'tests' must be a list of test snippets (strings), or a string holding a "
+                     f"JSON list of them, got {got}")
 
 
 def _read_json(path: Path, limit: int | None) -> Iterator[tuple[str, Any]]:

@@ -281,6 +281,14 @@ def load_reward(spec: str) -> RewardFn:
     return fn
 
 
+def reward_metrics(funcs: Sequence[RewardFn]) -> dict[str, float]:
+    """What reward functions report about themselves, for the trainer's metrics log: for each function with a
+    ``metrics()`` attribute (the code reward's :func:`~grpo_fast.train.sandbox.sandbox_metrics`, say), its values
+    as ``rewards/<name>/<key>``."""
+    return {f"rewards/{reward_name(fn)}/{key}": float(value)
+            for fn in funcs if callable(getattr(fn, "metrics", None)) for key, value in fn.metrics().items()}
+
+
 # ---------------------------------------------------------------------------------------------- compute_rewards
 
 

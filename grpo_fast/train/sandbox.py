@@ -10,28 +10,41 @@ these layers (:func:`isolation_layers` says which are active on this machine):
   scrubbed environment and stdin from ``/dev/null``. The parent enforces the wall-clock timeout and the output cap,
   and ends every run by sending SIGKILL to the child's whole process group.
 * **rlimits** (set in the child, soft = hard): CPU time, address space, file size, open files, no core dumps.
-* **audit hook** (:func:`sys.addaudithook`; Python code cannot remove one): blocks creating and signalling
-  processes, every socket operation but creating an AF_UNIX socket (asyncio needs a socket pair), file-system changes
-  and directory opens outside the working directory, opens under ``/proc``, ctypes, changing rlimits and walking the
-  heap; reading files elsewhere stays allowed (the standard library needs it). Unlike ``RLIMIT_NPROC`` it also holds
-  for root. The few dangerous calls that raise no audit event (``os.mknod``, ``os.mkfifo``, ``os.pidfd_open``,
-  ``signal.pidfd_send_signal``, ``_posixsubprocess.fork_exec``) become stubs that raise.
-* **network namespace**: where ``unshare(CLONE_NEWNET)`` is allowed (as root, usually) the child gets a network
-  namespace of its own, whose only device is a loopback that is down.
+* **namespaces and a disk budget**: where the kernel allows unprivileged user namespaces, the child moves into user,
+  mount and network namespaces of its own (uid and gid mapped to themselves; a network with only a loopback device,
+  down) and its directory becomes a tmpfs of ``disk_mb`` MiB and ``max_files`` inodes (``ENOSPC`` past either),
+  which nobody else sees and which vanishes with the child. Elsewhere the parent's watchdog counts the directory's
+  files and bytes at every poll and kills the child past either budget (status ``"disk_limit"``); a network
+  namespace alone is still taken where allowed (as root).
+* **Landlock** (:mod:`grpo_fast.train.landlock`, Linux >= 5.13), after ``PR_SET_NO_NEW_PRIVS``: the kernel lets the
+  child write only under its directory and read only the interpreter's trees and the system libraries; nothing
+  executes; TCP bind and connect are refused (ABI >= 4); signals and abstract unix sockets cannot reach outside
+  the sandbox (ABI >= 6); no process outside can be traced. A **seccomp** filter then refuses ``socket(2)`` and
+  ``io_uring_setup(2)`` (Landlock leaves named unix sockets and UDP open; ``socketpair``, which asyncio needs,
+  stays), and the child drops every capability.
+* **audit hook** (:func:`sys.addaudithook`; Python code cannot remove one), a second layer with readable errors:
+  blocks creating and signalling processes, every socket operation but creating an AF_UNIX socket (asyncio needs a
+  socket pair), file-system changes and directory opens outside the working directory, opens under ``/proc``,
+  ctypes, changing rlimits and walking the heap. The few dangerous calls that raise no audit event (``os.mknod``,
+  ``os.mkfifo``, ``os.pidfd_open``, ``signal.pidfd_send_signal``, ``_posixsubprocess.fork_exec``) become stubs
+  that raise.
 
 Results come back on a pipe the completion is not told about, each line prefixed with a random per-run nonce, so
 printing "PASS" gains nothing.
 
-These layers are guard rails against what a policy does by accident or by naive reward hacking, not a security
-boundary: the audit hook runs in the interpreter it guards, and code written to defeat it (by patching the stdlib
-functions it calls, or by walking stack frames up to the harness) can. Tests that run in the completion's own
-process can also be gamed from inside (say, by returning an object equal to everything). Where that matters, run the
-trainer itself in a container or VM.
+With Landlock (:func:`isolation_layers` lists ``landlock-<ABI>``) the kernel enforces the file-system, network and
+signal confinement whatever the completion does, ctypes and raw system calls included. Without it (an older kernel, or
+Landlock off at boot; :func:`code_reward` warns once and its metrics say so) only the audit hook guards files (seccomp
+still refuses sockets), and it runs in the interpreter it guards: code written to defeat it (by patching the stdlib
+functions it calls, by walking stack frames up to the harness) can. Not confined in either case: reading the
+interpreter's and system libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs. Tests that
+run in the completion's own process can also be gamed from inside (say, by returning an object equal to everything).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -45,12 +58,18 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
-__all__ = ["SandboxLimits", "SandboxResult", "code_reward", "extract_code", "isolation_layers", "run_tests"]
+logger = logging.getLogger("grpo_fast.train")
+
+__all__ = [
+    "SandboxLimits", "SandboxResult", "code_reward", "extract_code", "isolation_layers", "json_test_list", "run_tests",
+    "sandbox_metrics",
+]
 
 # How a run ended (SandboxResult.status).
-STATUSES = ("ok", "failed", "error", "timeout", "killed", "output_limit")
+STATUSES = ("ok", "failed", "error", "timeout", "killed", "output_limit", "disk_limit")
 
 TEMP_PREFIX = "grpo-sandbox-"  # name prefix of the per-run directories under tempfile.gettempdir()
 _JOB_FILE = "job.json"  # what the child runs; it reads and deletes this file before running any of it
@@ -62,170 +81,7 @@ _DRAIN_S = 1.0  # after the kill, how long the parent keeps reading what the pip
 _DETAIL_CHARS = 500  # the most stderr characters kept in SandboxResult.detail
 _MAX_REPORT_LINE = 256  # the most bytes kept of a report line the child has not ended yet
 _PYTHON_FENCE_TAGS = frozenset({"", "python", "python3", "py"})
-
-# The first code the child interpreter runs: ``python -I -S -B -c _BOOTSTRAP JOB_FILE``. It sets the limits, enters
-# a network namespace where it may, stubs the unaudited calls, installs the audit hook and runs the job. Everything
-# after that shares the interpreter with the completion, so the hook and the test loop bind what they use beforehand.
-_BOOTSTRAP = r'''
-import json, os, resource, sys
-import signal, _posixsubprocess  # loaded now so that stub_unaudited_calls can stub their C functions
-
-CLONE_NEWNET = 0x40000000
-AF_UNIX = 1  # socket.AF_UNIX on Linux; importing socket just for it would slow every run down
-
-
-def set_rlimits(rlimits):
-    """Apply each limit as both soft and hard limit, capped at the current hard limit (only root may raise it)."""
-    for name, value in rlimits.items():
-        which = getattr(resource, name)
-        hard = resource.getrlimit(which)[1]
-        if hard != resource.RLIM_INFINITY:
-            value = min(value, hard)
-        resource.setrlimit(which, (value, value))
-
-
-def unshare_network():
-    """Move into a network namespace of our own (a loopback device, down); False where the kernel refuses."""
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def stub_unaudited_calls():
-    """Replace the dangerous calls that raise no audit event with stubs that raise, in the C module and wherever it
-    is re-exported; the audit hook then refuses to import those C modules afresh."""
-    def blocked(*args, **kwargs):
-        raise PermissionError("sandbox: this call is not allowed")
-
-    for c_module, py_module, names in (
-        ("posix", "os", ("mknod", "mkfifo", "pidfd_open")),
-        ("_signal", "signal", ("pidfd_send_signal",)),
-        ("_posixsubprocess", None, ("fork_exec",)),
-    ):
-        for module in (sys.modules[c_module], sys.modules.get(py_module)):
-            for name in names:
-                if module is not None and hasattr(module, name):
-                    setattr(module, name, blocked)
-
-
-def make_audit_hook(workdir):
-    """The audit hook that confines this interpreter to ``workdir``. It fails closed: an error inside it blocks the
-    event. Everything it uses is bound here, as the completion may rebind module attributes and builtins later."""
-    realpath, isdir, isabs, join, fsdecode, readlink = (
-        os.path.realpath, os.path.isdir, os.path.isabs, os.path.join, os.fsdecode, os.readlink)
-    is_instance, devnull = isinstance, os.devnull
-    blocked_events = frozenset({
-        # creating or signalling processes
-        "os.exec", "os.fork", "os.forkpty", "os.kill", "os.killpg", "os.posix_spawn", "os.system", "subprocess.Popen",
-        # leaving the namespaces (3.12+), raising the limits, adding hooks
-        "os.setns", "os.unshare", "resource.prlimit", "resource.setrlimit", "sys.addaudithook",
-        # walking the heap or other threads' stacks, where the harness lives
-        "gc.get_objects", "gc.get_referents", "gc.get_referrers", "sys._current_frames",
-    })
-    stubbed_modules = frozenset({"posix", "_signal", "_posixsubprocess"})
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    # events that change the file system -> ((index of a path argument, index of its dir_fd argument or None), ...)
-    path_events = {
-        "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.link": ((0, 2), (1, 3)), "os.mkdir": ((0, 2),),
-        "os.remove": ((0, 1),), "os.removexattr": ((0, None),), "os.rename": ((0, 2), (1, 3)),
-        "os.rmdir": ((0, 1),), "os.setxattr": ((0, None),), "os.symlink": ((1, 2),), "os.truncate": ((0, None),),
-        "os.utime": ((0, 3),),
-    }
-
-    def resolve(path, dir_fd=None):
-        """The absolute path an event's path argument names (an int is an open file descriptor)."""
-        if is_instance(path, int):
-            return readlink(f"/proc/self/fd/{path}")
-        path = fsdecode(path)
-        if dir_fd is not None and dir_fd >= 0 and not isabs(path):
-            path = join(readlink(f"/proc/self/fd/{dir_fd}"), path)
-        return realpath(path)
-
-    def inside(path):
-        return path == workdir or path.startswith(workdir + "/")
-
-    def deny(event, path=None):
-        where = "" if path is None else f" on {path!r}"
-        raise PermissionError(f"sandbox: {event}{where} is not allowed")
-
-    def hook(event, args):
-        if event in blocked_events or event.startswith("ctypes."):
-            deny(event)
-        elif event.startswith("socket.") and not (event == "socket.__new__" and args[1] == AF_UNIX):
-            deny(event)
-        elif event == "import" and args[0] in stubbed_modules:
-            deny(event, args[0])
-        elif event == "open" and not is_instance(args[0], int):  # re-wrapping a descriptor we hold is fine
-            target, flags = resolve(args[0]), args[2]
-            if target == "/proc" or target.startswith("/proc/"):
-                deny(event, target)
-            # a directory descriptor would let the *at() calls (dir_fd=...) reach outside
-            if not inside(target) and target != devnull and (flags & write_flags or isdir(target)):
-                deny(event, target)
-        elif event in path_events:
-            for path_index, dir_fd_index in path_events[event]:
-                target = resolve(args[path_index], None if dir_fd_index is None else args[dir_fd_index])
-                if not inside(target):
-                    deny(event, target)
-
-    return hook
-
-
-def run(code, tests, channel, nonce, layers):
-    """Run the completion, then each test in its namespace, reporting on the channel as "<nonce> <words>" lines."""
-    def line(*words):
-        return (" ".join((nonce,) + words) + "\n").encode()
-
-    # Bind every callable used after the completion has run and build every report line now: the completion shares
-    # builtins and modules with this function and could otherwise rebind, say, builtins.exec.
-    write, run_code, exit_now, failure = os.write, exec, os._exit, BaseException
-    plan = [(test, line("pass", str(i)), f"sandbox: test {i} failed\n".encode()) for i, test in enumerate(tests)]
-    code_error, done = line("code-error"), line("done")
-    module = type(sys)("solution")  # a module of its own, so that dataclasses and pickle find the completion's
-    sys.modules["solution"] = module
-    namespace = module.__dict__
-    write(channel, line("layers", ",".join(layers)))
-    try:
-        run_code(compile(code, "<completion>", "exec"), namespace)
-    except failure as exc:
-        namespace.clear()  # free what the code allocated (a huge list, say) before reporting
-        try:
-            message = f"sandbox: the completion raised {type(exc).__name__}: {exc}"[:1000]
-        except failure:
-            message = "sandbox: the completion raised an exception"
-        write(channel, code_error)
-        write(2, message.encode(errors="replace") + b"\n")
-    else:
-        for test, passed, failed in plan:
-            try:
-                run_code(test, namespace)
-            except failure:
-                write(2, failed)
-            else:
-                write(channel, passed)
-    write(channel, done)
-    exit_now(0)  # skip interpreter teardown: threads the completion started must not keep the process alive
-
-
-def main(job_file):
-    """Read and delete the job file, confine this interpreter, then run the job."""
-    with open(job_file, encoding="utf-8") as f:
-        job = json.load(f)
-    os.remove(job_file)
-    set_rlimits(job["rlimits"])
-    layers = ["rlimits"]
-    if unshare_network():
-        layers.append("network-namespace")
-    stub_unaudited_calls()
-    sys.addaudithook(make_audit_hook(os.path.realpath(os.getcwd())))
-    layers.append("audit-hook")
-    run(job["code"], job["tests"], job["channel"], job["nonce"], layers)
-
-
-main(sys.argv[1])
-'''
+_CHILD_PROGRAM = str(Path(__file__).with_name("_sandbox_child.py"))  # what the child interpreter runs
 
 
 def _check_limit(name: str, value: object, integer: bool) -> None:
@@ -249,6 +105,10 @@ class SandboxLimits:
         file_size_mb: largest file the child may write, in MiB (``RLIMIT_FSIZE``); larger writes raise ``OSError``.
         max_output_bytes: most bytes the child may write to stdout and stderr together; past it the parent kills it
             and the status is ``"output_limit"``. The parent keeps only a short tail of stderr, never the output.
+        disk_mb: most MiB the files in the sandbox's directory may hold together. With the private tmpfs, writes
+            past it fail with ``ENOSPC`` (``OSError``) in the child; with the watchdog the parent kills the child
+            when it sees the directory past it, and the status is ``"disk_limit"``.
+        max_files: most files and directories the sandbox's directory may hold, enforced like ``disk_mb``.
     """
 
     timeout_s: float = 5.0
@@ -256,11 +116,13 @@ class SandboxLimits:
     memory_mb: int = 512
     file_size_mb: int = 1
     max_output_bytes: int = 65536
+    disk_mb: int = 16
+    max_files: int = 256
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "cpu_time_s"):
             _check_limit(name, getattr(self, name), integer=False)
-        for name in ("memory_mb", "file_size_mb", "max_output_bytes"):
+        for name in ("memory_mb", "file_size_mb", "max_output_bytes", "disk_mb", "max_files"):
             _check_limit(name, getattr(self, name), integer=True)
 
 
@@ -274,7 +136,8 @@ class SandboxResult:
         status: how the run ended, one of :data:`STATUSES`: ``"ok"`` (every test passed), ``"failed"`` (the tests
             ran, some failed), ``"error"`` (the code did not compile or raised, so no test ran; or the interpreter
             exited early), ``"timeout"`` (past ``timeout_s``), ``"killed"`` (a signal ended it: the CPU-time limit,
-            a crash) or ``"output_limit"`` (past ``max_output_bytes``).
+            a crash), ``"output_limit"`` (past ``max_output_bytes``) or ``"disk_limit"`` (the watchdog saw the
+            directory past ``disk_mb`` or ``max_files``).
         detail: the reason, if the run was stopped, and the last characters of the child's stderr.
     """
 
@@ -340,14 +203,21 @@ def code_reward(
     ``completions[i]`` is a string or a chat-message list (its last message's content counts); the code is
     :func:`extract_code` of it and ``tests[i]`` (a dataset column) is what :func:`run_tests` takes, or None or empty
     for a sample without tests, which scores None. ``prompts`` and other columns in ``kwargs`` are part of the
-    reward-function signature and unused. Up to ``min(os.cpu_count(), 4)`` sandboxes run at once.
+    reward-function signature and unused. Up to ``min(os.cpu_count(), 4)`` sandboxes run at once. A ``tests``
+    value that is a string holding a JSON list of strings (as parquet files often store lists) counts as that list.
+
+    The first call finds the isolation layers (:func:`isolation_layers`) and warns once if the kernel offers no
+    Landlock; ``code_reward.metrics()`` (:func:`sandbox_metrics`) reports them to the trainer's log.
     """
     _require_linux()
     if len(tests) != len(completions):
         raise ValueError(f"code_reward got {len(completions)} completions but {len(tests)} test lists")
     limits = SandboxLimits() if limits is None else limits
+    isolation_layers()
 
     def score(completion: str | list[dict[str, Any]], case_tests: list[str] | str | None) -> float | None:
+        if isinstance(case_tests, str) and (parsed := json_test_list(case_tests)) is not None:
+            case_tests = parsed
         if not case_tests:
             return None
         return run_tests(extract_code(_completion_text(completion)), case_tests, limits).fraction
@@ -360,15 +230,50 @@ def code_reward(
 def isolation_layers() -> tuple[str, ...]:
     """The isolation layers active on this machine, found by running an empty program in the sandbox (once).
 
-    ``"process-group"`` (fresh directory, scrubbed environment, wall-clock and output limits, the group kill),
-    ``"rlimits"`` and ``"audit-hook"`` are always there; ``"network-namespace"`` where the kernel lets the child
-    unshare its network namespace (usually only as root).
+    Always: ``"process-group"`` (fresh directory, scrubbed environment, wall-clock and output limits, the group
+    kill), ``"rlimits"``, ``"no-new-privs"``, ``"no-capabilities"`` and ``"audit-hook"``. Where the kernel allows
+    unprivileged user namespaces: ``"user-namespace"``, ``"network-namespace"`` and ``"disk-tmpfs"``, else
+    ``"disk-watchdog"`` (and ``"network-namespace"`` alone where it allows that, as root). ``"landlock-<ABI>"``
+    where the kernel has Landlock (without it this logs a warning, once, being cached); ``"seccomp"`` on x86_64 and
+    aarch64.
     """
     _require_linux()
     result, layers = _run_child("", [], SandboxLimits())
     if not layers:
         raise RuntimeError(f"the sandbox could not start an interpreter ({result.status}): {result.detail}")
-    return ("process-group", *layers)
+    disk = () if "disk-tmpfs" in layers else ("disk-watchdog",)
+    if not any(layer.startswith("landlock-") for layer in layers):
+        logger.warning(
+            "the code sandbox runs without Landlock: this kernel (%s) does not offer it (Linux >= 5.13 with "
+            "CONFIG_SECURITY_LANDLOCK, 'landlock' in the lsm= boot list). Writes outside the sandbox's directory "
+            "are refused by the audit hook alone, which code written to defeat it can pass, and reads elsewhere "
+            "are allowed; see docs/train.md.",
+            os.uname().release,
+        )
+    return ("process-group", *layers, *disk)
+
+
+def sandbox_metrics() -> dict[str, float]:
+    """What the code reward reports to the trainer's metrics log (``code_reward.metrics``): ``landlock_abi`` (the
+    Landlock ABI in force in the sandbox, 0 without Landlock) and ``disk_tmpfs`` (1 when the disk budget is a
+    private tmpfs, 0 when the watchdog enforces it)."""
+    layers = isolation_layers()
+    abi = next((int(layer.split("-")[1]) for layer in layers if layer.startswith("landlock-")), 0)
+    return {"landlock_abi": float(abi), "disk_tmpfs": float("disk-tmpfs" in layers)}
+
+
+code_reward.metrics = sandbox_metrics  # type: ignore[attr-defined]
+
+
+def json_test_list(value: str) -> list[str] | None:
+    """The tests a string holds when it is a JSON list of strings (``'["assert f(1) == 2"]'``), else None."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return None
+    if isinstance(parsed, list) and all(isinstance(test, str) for test in parsed):
+        return parsed
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------- internals
@@ -455,8 +360,14 @@ class _Streams:
         self._selector.close()
 
 
-def _run_child(code: str, tests: list[str], limits: SandboxLimits) -> tuple[SandboxResult, tuple[str, ...]]:
-    """Run one job in a fresh sandboxed interpreter; returns the result and the layers the child reported."""
+def _run_child(
+    code: str, tests: list[str], limits: SandboxLimits, skip_layers: frozenset[str] = frozenset()
+) -> tuple[SandboxResult, tuple[str, ...]]:
+    """Run one job in a fresh sandboxed interpreter; returns the result and the layers the child reported.
+
+    ``skip_layers`` (any of ``"namespaces"``, ``"landlock"``, ``"audit-hook"``) leaves layers out, so that tests
+    can check that each of the others holds on its own.
+    """
     workdir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     channel_read, channel_write = os.pipe()
     try:
@@ -464,10 +375,11 @@ def _run_child(code: str, tests: list[str], limits: SandboxLimits) -> tuple[Sand
         job_file = os.path.join(workdir, _JOB_FILE)
         with open(job_file, "w", encoding="utf-8") as f:
             json.dump({"code": code, "tests": tests, "channel": channel_write, "nonce": nonce,
-                       "rlimits": _rlimits(limits)}, f)
+                       "rlimits": _rlimits(limits), "disk_bytes": limits.disk_mb << 20,
+                       "max_files": limits.max_files, "skip_layers": sorted(skip_layers)}, f)
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", "-c", _BOOTSTRAP, job_file],
+                [sys.executable, "-I", "-S", "-B", _CHILD_PROGRAM, job_file],
                 cwd=workdir,
                 env={"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"},
                 stdin=subprocess.DEVNULL,
@@ -482,7 +394,7 @@ def _run_child(code: str, tests: list[str], limits: SandboxLimits) -> tuple[Sand
             reports = _Reports(nonce, len(tests))
             streams = _Streams(proc, channel_read, reports)
             try:
-                timed_out = _supervise(proc, streams, reports, limits)
+                stopped = _supervise(proc, streams, reports, limits, workdir)
             finally:
                 # Kill before reaping: while the leader is unreaped its pid, the group id, cannot be reused.
                 _kill_group(proc.pid)
@@ -490,7 +402,7 @@ def _run_child(code: str, tests: list[str], limits: SandboxLimits) -> tuple[Sand
                 while streams.open and (left := deadline - time.monotonic()) > 0:
                     streams.pump(left)
                 streams.close()
-        return _verdict(proc.returncode, timed_out, streams, reports, len(tests), limits), reports.layers
+        return _verdict(proc.returncode, stopped, streams, reports, len(tests), limits), reports.layers
     finally:
         os.close(channel_read)
         _remove_tree(workdir)
@@ -507,14 +419,50 @@ def _rlimits(limits: SandboxLimits) -> dict[str, int]:
     }
 
 
-def _supervise(proc: subprocess.Popen, streams: _Streams, reports: _Reports, limits: SandboxLimits) -> bool:
-    """Read the child's output until it reports done, exits or passes a limit; True if the wall clock ran out."""
+def _supervise(
+    proc: subprocess.Popen, streams: _Streams, reports: _Reports, limits: SandboxLimits, workdir: str
+) -> str | None:
+    """Read the child's output until it reports done, exits or passes a limit; returns why the parent stopped it
+    (``"timeout"``, ``"disk_limit"``) or None. Without the private tmpfs, the directory is checked against the disk
+    budget at every poll (the child's layers arrive before its code runs)."""
     deadline = time.monotonic() + limits.timeout_s
+    next_disk_check = 0.0
     while not (streams.output_bytes > limits.max_output_bytes or reports.done or _has_exited(proc.pid)):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return True
-        streams.pump(min(left, _POLL_S))
+        now = time.monotonic()
+        if now >= deadline:
+            return "timeout"
+        if now >= next_disk_check and "disk-tmpfs" not in reports.layers:
+            if _over_disk_budget(workdir, limits):
+                return "disk_limit"
+            next_disk_check = now + _POLL_S
+        streams.pump(min(deadline - now, _POLL_S))
+    return None
+
+
+def _over_disk_budget(workdir: str, limits: SandboxLimits) -> bool:
+    """Whether the directory holds more than ``limits.max_files`` entries or ``limits.disk_mb`` MiB of blocks.
+
+    The walk stops as soon as either budget is passed, so a directory flooded with files costs the parent no more
+    than ``max_files`` stat calls per check.
+    """
+    budget_bytes, files, used = limits.disk_mb << 20, 0, 0
+    pending = [workdir]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:  # removed meanwhile, or made unreadable: its entries are counted once readable again
+            continue
+        for entry in entries:
+            files += 1
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            used += info.st_blocks * 512  # blocks, not st_size: a sparse file takes little room
+            if files > limits.max_files or used > budget_bytes:
+                return True
+            if entry.is_dir(follow_symlinks=False):
+                pending.append(entry.path)
     return False
 
 
@@ -534,7 +482,7 @@ def _kill_group(pgid: int) -> None:
 
 
 def _verdict(
-    returncode: int, timed_out: bool, streams: _Streams, reports: _Reports, total: int, limits: SandboxLimits
+    returncode: int, stopped: str | None, streams: _Streams, reports: _Reports, total: int, limits: SandboxLimits
 ) -> SandboxResult:
     """Turn what the run left behind into a result; the checks go from the most to the least telling."""
     passed = len(reports.passed)
@@ -542,7 +490,9 @@ def _verdict(
         status, reason = "output_limit", f"the output passed {limits.max_output_bytes} bytes"
     elif reports.done:
         status, reason = ("error" if reports.code_error else "ok" if passed == total else "failed"), ""
-    elif timed_out:
+    elif stopped == "disk_limit":
+        status, reason = "disk_limit", (f"the directory passed {limits.max_files} files or {limits.disk_mb} MiB")
+    elif stopped == "timeout":
         status, reason = "timeout", f"still running after {limits.timeout_s:g} s"
     elif returncode < 0:
         status, reason = "killed", f"killed by {_signal_name(-returncode)}"

@@ -39,7 +39,7 @@ from grpo_fast.train.model import (
     resolve_device,
     resolve_dtype,
 )
-from grpo_fast.train.rewards import compute_rewards, load_reward, reward_name
+from grpo_fast.train.rewards import compute_rewards, load_reward, reward_metrics, reward_name
 from grpo_fast.train.rollout import Rollout, SamplingParams, concat_rollouts, generate
 from grpo_fast.train.tasks import TASK_SIZE, builtin_records
 
@@ -516,6 +516,7 @@ def train_step(run: Run) -> dict:
         "reward": float(combined.mean()),
         "reward_std": float(combined.view(-1, cfg.group_size).std(dim=1).mean()),  # TRL's: mean of group stds
         **{f"rewards/{reward_name(f)}": float(torch.nanmean(rewards[:, k])) for k, f in enumerate(run.reward_funcs)},
+        **reward_metrics(run.reward_funcs),
         "frac_zero_std": float(adv.zero_std.float().mean()),
         "completion_length": length_sum / rows,
         "lr": lr,
