@@ -303,3 +303,18 @@ def test_fit_reads_another_calibration_file(tmp_path, capsys):
                      str(path)]) == 0
     out = capsys.readouterr().out
     assert f"MEASURED (calibration {path}: another machine" in out and out.count("PROJECTED") == 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{}", "has no 'machine' entry (a calibration holds 'machine', 'date', 'lora_r', 'decoder', 'step')"),
+    ("[]", "must hold a JSON object, got list"),
+    ("{", "is not valid JSON"),
+    (None, "'lora_r' must be a JSON integer, got '16'"),
+])
+def test_fit_names_what_a_calibration_file_lacks(tmp_path, text, message):
+    if text is None:
+        text = json.dumps({**projection.load_calibration(), "lora_r": "16"})
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"--calibration: {path}.*" + message.replace("(", r"\(").replace(")", r"\)")):
+        fit.main(["--model", "qwen2.5-0.5b", "--memory", "24GB", "--calibration", str(path)])
