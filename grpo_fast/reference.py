@@ -147,7 +147,8 @@ def loss_from_logps_reference(
         if num_items_in_batch is None:
             normalizer = mask.sum().clamp(min=1.0)
         else:
-            normalizer = torch.as_tensor(num_items_in_batch, dtype=dtype, device=logps.device).clamp(min=1.0)
+            normalizer = torch.as_tensor(num_items_in_batch, dtype=dtype, device=logps.device).reshape(())
+            normalizer = normalizer.clamp(min=1.0)
         loss = masked.sum() / normalizer
 
     if config.entropy_coef != 0.0:
@@ -156,9 +157,14 @@ def loss_from_logps_reference(
 
     def masked_mean(x):
         x = x.detach().to(dtype)
-        if config.sequence_level and x.shape[1] == 1:  # one value per sequence
-            return x.mean()
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def ratio_mean(flags):
+        # TRL logs a sequence-level ratio's flags [B, 1] as one value per sequence. (TRL tells them apart by shape
+        # alone, so at T = 1 it also averages per-token metrics over padding; the flags' origin decides here.)
+        if config.sequence_level and adv.shape[1] == 1:
+            return flags.to(dtype).mean()
+        return masked_mean(flags)
 
     kl = masked_mean(per_token_kl) if config.beta != 0.0 else None
     ent = masked_mean(entropy) if entropy is not None else None
@@ -167,9 +173,9 @@ def loss_from_logps_reference(
         # TRL counts clipping on the delta-clamped ratio
         is_low = (clipped_coef_1 < 1 - config.epsilon_low) & (adv < 0)
         is_high = (clipped_coef_1 > 1 + config.eps_high) & (adv > 0)
-        low, high, region = masked_mean(is_low), masked_mean(is_high), masked_mean(is_low | is_high)
+        low, high, region = ratio_mean(is_low), ratio_mean(is_high), ratio_mean(is_low | is_high)
     elif loss_type == LossType.CISPO:
-        high = masked_mean((coef_1 > config.eps_high) & (adv > 0))
+        high = ratio_mean((coef_1 > config.eps_high) & (adv > 0))
     return LossOutput(loss, logps.detach(), kl, ent, low, high, region)
 
 
