@@ -14,7 +14,7 @@ import torch
 from grpo_fast import checks
 from grpo_fast.dispatch import resolve_impl
 from grpo_fast.outputs import AdvantageOutput
-from grpo_fast.reference import group_advantages_reference, pow2_scale
+from grpo_fast.reference import group_advantages_reference, pow2_scale, zscore
 
 SCALES = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -56,17 +56,12 @@ def segment_stats(x: torch.Tensor, index: torch.Tensor, num_groups: int) -> Segm
     return SegmentStats(count, mean * scale, std_scaled * scale, std_scaled, scale, gmin, gmax)
 
 
-def _zscore(x, mean, std_scaled, scale, eps):
-    """``(x - mean) / (std + eps)`` in units of ``scale``: finite for any finite inputs."""
-    return (x / scale - mean / scale) / (std_scaled + eps / scale)
-
-
 def group_advantages_torch(rewards, index, num_groups, scale, eps, weights, aggregation) -> AdvantageOutput:
     """rewards ``[N, K]`` float, index ``[N]`` in ``[0, num_groups)``, weights ``[K]``."""
     unscorable = torch.isnan(rewards).all(dim=1)
     if aggregation == "normalize_then_sum":
         st = segment_stats(rewards, index, num_groups)
-        z = _zscore(rewards, st.mean[index], st.std_scaled[index], st.scale[index], eps)
+        z = zscore(rewards, st.mean[index], st.std_scaled[index], st.scale[index], eps)
         total = torch.where(unscorable, float("nan"), (z * weights).nansum(dim=1))
     else:
         total = torch.where(unscorable, float("nan"), (rewards * weights).nansum(dim=1))
@@ -78,14 +73,14 @@ def group_advantages_torch(rewards, index, num_groups, scale, eps, weights, aggr
     if aggregation == "normalize_then_sum" or scale == "batch":
         batch = SegmentStats(*(t[0, 0] for t in segment_stats(total[:, None], torch.zeros_like(index), 1)))
     if aggregation == "normalize_then_sum":
-        adv = torch.nan_to_num(_zscore(total, batch.mean, batch.std_scaled, batch.scale, eps), nan=0.0)
+        adv = torch.nan_to_num(zscore(total, batch.mean, batch.std_scaled, batch.scale, eps), nan=0.0)
         return AdvantageOutput(adv, batch.mean.expand(n).clone(), batch.std.expand(n).clone(), zero_std)
 
     group_mean, group_std = st.mean[index], st.std[index]
     if scale == "group":
-        adv = _zscore(total, group_mean, st.std_scaled[index], st.scale[index], eps)
+        adv = zscore(total, group_mean, st.std_scaled[index], st.scale[index], eps)
     elif scale == "batch":
-        adv = _zscore(total, group_mean, batch.std_scaled, batch.scale, eps)
+        adv = zscore(total, group_mean, batch.std_scaled, batch.scale, eps)
         group_std = batch.std.expand(n).clone()
     else:
         adv = total - group_mean

@@ -226,7 +226,7 @@ def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
 def _nanstats(x, dim=None, keepdim=False):
     """NaN-aware mean and unbiased std of ``x`` (TRL ``nanmean`` / ``nanstd``: std NaN with fewer than two values),
     taken on ``x / scale`` (``pow2_scale`` of the largest |x|). Returns ``(mean, std / scale, scale)``: the std
-    stays in those units so that z-scores of any finite ``x`` are computed without overflow (``_zscore``)."""
+    stays in those units so that z-scores of any finite ``x`` are computed without overflow (``zscore``)."""
     if dim is None:
         x, dim = x.reshape(-1), 0
     scale = pow2_scale(torch.nan_to_num(x.abs(), nan=0.0).amax(dim=dim, keepdim=True))
@@ -239,7 +239,7 @@ def _nanstats(x, dim=None, keepdim=False):
     return out if keepdim else tuple(t.squeeze(dim) for t in out)
 
 
-def _zscore(x, mean, std_scaled, scale, eps):
+def zscore(x, mean, std_scaled, scale, eps):
     """``(x - mean) / (std + eps)`` in units of ``scale`` (finite for any finite x, mean and std)."""
     return (x / scale - mean / scale) / (std_scaled + eps / scale)
 
@@ -270,7 +270,7 @@ def group_advantages_reference(
         z = torch.full_like(r, float("nan"))
         for idx in groups:
             sub = r[idx]
-            z[idx] = _zscore(sub, *_nanstats(sub, 0, keepdim=True), eps)
+            z[idx] = zscore(sub, *_nanstats(sub, 0, keepdim=True), eps)
         total = (z * w).nansum(dim=1)
         total[unscorable] = float("nan")
     else:
@@ -286,12 +286,12 @@ def group_advantages_reference(
         scored = sub[~torch.isnan(sub)]
         mean, std_scaled, s = _nanstats(sub)
         group_mean[idx], group_std[idx] = mean, std_scaled * s
-        group_z[idx] = _zscore(sub, mean, std_scaled, s, eps)
+        group_z[idx] = zscore(sub, mean, std_scaled, s, eps)
         zero_std[idx] = bool(scored.numel() < 2 or (scored.max() == scored.min()))
 
     if aggregation == "normalize_then_sum":
         mean, std_scaled, s = _nanstats(total)
-        adv = _zscore(total, mean, std_scaled, s, eps)
+        adv = zscore(total, mean, std_scaled, s, eps)
         return AdvantageOutput(torch.nan_to_num(adv, nan=0.0), mean.expand(n).clone(),
                                (std_scaled * s).expand(n).clone(), zero_std)
 
@@ -299,7 +299,7 @@ def group_advantages_reference(
         adv = group_z
     elif scale == "batch":
         _, std_scaled, s = _nanstats(total)
-        adv = _zscore(total, group_mean, std_scaled, s, eps)
+        adv = zscore(total, group_mean, std_scaled, s, eps)
         group_std = (std_scaled * s).expand(n).clone()
     else:
         adv = total - group_mean
