@@ -112,11 +112,14 @@ def _closed_form(r, scale):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype,magnitude", [(torch.float32, 1e30), (torch.float32, 1e-30), (torch.float64, 1e200)])
+@pytest.mark.parametrize("dtype,magnitude", [(torch.float32, 1e30), (torch.float32, 1e-30), (torch.float32, 2.0**125),
+                                             (torch.float64, 1e200)])
 def test_huge_and_tiny_rewards_give_the_scale_free_advantages(impl, dtype, magnitude):
     """Group statistics never overflow: with eps = 0, rewards m * r have the advantages of r (times m for scale
     "none") and m times its means and stds. Rewards of 1e30 used to overflow the float32 squares (std inf, every
-    advantage 0), rewards of 1e-30 to underflow them (std 0, advantages inf)."""
+    advantage 0), rewards of 1e-30 to underflow them (std 0, advantages inf); at 2**125 (6 * 2**125 ~ 2.6e38) even
+    a group's sum overflows float32. The float32 closed form runs on the unscaled r, so the rule's PyTorch error is
+    honest (a float32 reference at magnitude m would overflow too and make the bound vacuous)."""
     base = torch.tensor([[1.0, 2.0, 3.0, 6.0], [-2.0, 0.5, 0.5, 4.0]], dtype=torch.float64)
     rewards = (base * magnitude).to(dtype).flatten().to(DEVICE)
     for scale in ("group", "batch", "none"):
@@ -126,22 +129,6 @@ def test_huge_and_tiny_rewards_give_the_scale_free_advantages(impl, dtype, magni
         for name, a, b, c in zip(("advantages", "group_mean", "group_std"), got, _closed_form(base.to(dtype), scale),
                                  _closed_form(base, scale)):
             assert_close_rule(a.cpu(), b, c, dtype, f"{name} [{scale}]")
-
-
-@pytest.mark.parametrize("impl", IMPLS)
-def test_rewards_near_the_float32_maximum(impl):
-    """Sums of values near 3.4e38 overflow float32; in units of the group's scale they do not."""
-    rewards = torch.tensor([3e38, 3e38, 2e38, 3e38, -1e38, 0.0, 1e38, 2e38], dtype=torch.float32, device=DEVICE)
-    out = group_advantages(rewards, group_size=4, impl=impl)
-    ref = group_advantages(rewards.double(), group_size=4, impl="reference")
-    pt = group_advantages(rewards, group_size=4, impl="reference")
-    _assert_matches_rule(out, pt, ref, torch.float32)
-
-
-def _assert_matches_rule(out, pt, ref, dtype):
-    for name in ("advantages", "group_mean", "group_std"):
-        assert_close_rule(getattr(out, name).cpu(), getattr(pt, name).cpu(), getattr(ref, name).cpu(), dtype, name)
-    assert torch.equal(out.zero_std.cpu(), ref.zero_std.cpu())
 
 
 def test_numpy_scalars_are_numbers():
