@@ -6,66 +6,84 @@ and singleton groups and any ordering of ``group_ids`` are handled; it is what t
 
 from __future__ import annotations
 
+import numbers
+from typing import NamedTuple
+
 import torch
 
 from grpo_fast import checks
 from grpo_fast.dispatch import resolve_impl
 from grpo_fast.outputs import AdvantageOutput
-from grpo_fast.reference import group_advantages_reference
+from grpo_fast.reference import group_advantages_reference, pow2_scale, zscore
 
 SCALES = ("group", "batch", "none")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
-def segment_stats(x: torch.Tensor, index: torch.Tensor, num_groups: int):
+class SegmentStats(NamedTuple):
+    """Per-group statistics, each ``[G, C]``. ``std_scaled = std / scale`` where ``scale`` is the power of two the
+    sums ran in (``pow2_scale`` of the group's largest |value|): z-scores use it, so they never overflow."""
+
+    count: torch.Tensor
+    mean: torch.Tensor
+    std: torch.Tensor
+    std_scaled: torch.Tensor
+    scale: torch.Tensor
+    gmin: torch.Tensor
+    gmax: torch.Tensor
+
+
+def segment_stats(x: torch.Tensor, index: torch.Tensor, num_groups: int) -> SegmentStats:
     """NaN-aware per-group count, mean, unbiased std, min and max of ``x [N, C]`` over ``index [N]``.
 
-    Returns ``[G, C]`` tensors; mean is NaN for a group with no value, std NaN with fewer than two (TRL ``nanstd``).
+    Mean is NaN for a group with no value, std NaN with fewer than two (TRL ``nanstd``). The sums run on
+    ``x / scale`` (``grpo_fast.reference.pow2_scale``), so no finite input overflows the squared deviations; ``std``
+    is inf only where the true std exceeds the dtype's range.
     """
     valid = ~torch.isnan(x)
     zeros = x.new_zeros((num_groups, x.shape[1]))
+    rows = index[:, None].expand_as(x)
+    scale = pow2_scale(zeros.scatter_reduce(0, rows, torch.where(valid, x.abs(), 0.0), "amax"))
+    xs = x / scale[index]
     count = zeros.index_add(0, index, valid.to(x.dtype))
-    mean = zeros.index_add(0, index, torch.where(valid, x, 0.0)) / count  # 0/0 -> NaN for empty groups
-    dev = torch.where(valid, x - mean[index], 0.0)
+    mean = zeros.index_add(0, index, torch.where(valid, xs, 0.0)) / count  # 0/0 -> NaN for empty groups
+    dev = torch.where(valid, xs - mean[index], 0.0)
     var = zeros.index_add(0, index, dev * dev) / (count - 1)
-    std = torch.where(count > 1, var.sqrt(), float("nan"))
+    std_scaled = torch.where(count > 1, var.sqrt(), float("nan"))
     inf = torch.full_like(zeros, float("inf"))
-    gmin = inf.scatter_reduce(0, index[:, None].expand_as(x), torch.where(valid, x, float("inf")), "amin")
-    gmax = (-inf).scatter_reduce(0, index[:, None].expand_as(x), torch.where(valid, x, -float("inf")), "amax")
-    return count, mean, std, gmin, gmax
-
-
-def _batch_stats(x: torch.Tensor):
-    """Mean and unbiased std of a 1-D tensor, NaN-aware: ``[1]`` each."""
-    _, mean, std, _, _ = segment_stats(x[:, None], torch.zeros_like(x, dtype=torch.long), 1)
-    return mean[0, 0], std[0, 0]
+    gmin = inf.scatter_reduce(0, rows, torch.where(valid, x, float("inf")), "amin")
+    gmax = (-inf).scatter_reduce(0, rows, torch.where(valid, x, -float("inf")), "amax")
+    return SegmentStats(count, mean * scale, std_scaled * scale, std_scaled, scale, gmin, gmax)
 
 
 def group_advantages_torch(rewards, index, num_groups, scale, eps, weights, aggregation) -> AdvantageOutput:
     """rewards ``[N, K]`` float, index ``[N]`` in ``[0, num_groups)``, weights ``[K]``."""
     unscorable = torch.isnan(rewards).all(dim=1)
     if aggregation == "normalize_then_sum":
-        _, mean_k, std_k, _, _ = segment_stats(rewards, index, num_groups)
-        z = (rewards - mean_k[index]) / (std_k[index] + eps)
+        st = segment_stats(rewards, index, num_groups)
+        z = zscore(rewards, st.mean[index], st.std_scaled[index], st.scale[index], eps)
         total = torch.where(unscorable, float("nan"), (z * weights).nansum(dim=1))
     else:
         total = torch.where(unscorable, float("nan"), (rewards * weights).nansum(dim=1))
 
-    count, mean, std, gmin, gmax = (t[:, 0] for t in segment_stats(total[:, None], index, num_groups))
-    zero_std = ((count < 2) | (gmax == gmin))[index]
+    n = total.shape[0]
+    st = SegmentStats(*(t[:, 0] for t in segment_stats(total[:, None], index, num_groups)))
+    zero_std = ((st.count < 2) | (st.gmax == st.gmin))[index]
+    batch = None
+    if aggregation == "normalize_then_sum" or scale == "batch":
+        batch = SegmentStats(*(t[0, 0] for t in segment_stats(total[:, None], torch.zeros_like(index), 1)))
     if aggregation == "normalize_then_sum":
-        bmean, bstd = _batch_stats(total)
-        adv = torch.nan_to_num((total - bmean) / (bstd + eps), nan=0.0)
-        n = total.shape[0]
-        return AdvantageOutput(adv, bmean.expand(n).clone(), bstd.expand(n).clone(), zero_std)
+        adv = torch.nan_to_num(zscore(total, batch.mean, batch.std_scaled, batch.scale, eps), nan=0.0)
+        return AdvantageOutput(adv, batch.mean.expand(n).clone(), batch.std.expand(n).clone(), zero_std)
 
-    group_mean, group_std = mean[index], std[index]
-    adv = total - group_mean
+    group_mean, group_std = st.mean[index], st.std[index]
     if scale == "group":
-        adv = adv / (group_std + eps)
+        adv = zscore(total, group_mean, st.std_scaled[index], st.scale[index], eps)
     elif scale == "batch":
-        group_std = _batch_stats(total)[1].expand_as(total).clone()
-        adv = adv / (group_std + eps)
+        adv = zscore(total, group_mean, batch.std_scaled, batch.scale, eps)
+        group_std = batch.std.expand(n).clone()
+    else:
+        adv = total - group_mean
     adv = torch.nan_to_num(adv, nan=0.0).masked_fill(zero_std, 0.0)
     return AdvantageOutput(adv, group_mean, group_std, zero_std)
 
@@ -101,17 +119,18 @@ def group_advantages(
         raise ValueError(f"{fn}: scale must be one of {', '.join(map(repr, SCALES))}, got {scale!r}")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"{fn}: aggregation must be one of {', '.join(map(repr, AGGREGATIONS))}, got {aggregation!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
-        raise ValueError(f"{fn}: eps must be a finite number >= 0, got {eps!r}")
+    eps = checks.real_value(f"{fn}: eps", eps, low=0.0)
     if (group_size is None) == (group_ids is None):
         raise ValueError(f"{fn}: pass exactly one of group_size or group_ids, got group_size={group_size!r} and "
                          f"group_ids={'None' if group_ids is None else checks.describe(group_ids)}")
     if n == 0:
         raise ValueError(f"{fn}: rewards must hold at least one row, got {checks.describe(rewards)}")
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or n % group_size:
+        if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or not 1 <= group_size <= n \
+                or n % group_size:
             raise ValueError(f"{fn}: group_size must be a positive int dividing the {n} rows of rewards, "
                              f"got {group_size!r}")
+        group_size = int(group_size)  # numpy ints too
         index = torch.arange(n, device=rewards.device) // group_size
         num_groups = n // group_size
     else:

@@ -3,6 +3,9 @@ what came. Value checks (finiteness, id ranges) read the data once; they are ski
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -26,6 +29,11 @@ def check_tensor(fn: str, name: str, x, *, shape=None, ndim=None, dtypes=None, d
         raise TypeError(f"{fn}: {name} is required, got None")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {describe(x)}")
+    if x.is_meta and not _tracing():
+        raise ValueError(
+            f"{fn}: {name} must hold data, got a meta tensor ({describe(x)}); materialise the model first "
+            "(e.g. module.to_empty(device=...) and load its weights)"
+        )
     if ndim is not None and x.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
         raise ValueError(f"{fn}: {name} must have {ndim} dimensions, got {describe(x)}")
     if shape is not None:
@@ -75,8 +83,73 @@ def check_mask(fn: str, name: str, mask: torch.Tensor) -> torch.Tensor:
     return mask != 0
 
 
-def check_positive_scalar(fn: str, name: str, value, optional=False):
+def is_real(value) -> bool:
+    """A real number given as a Python int/float or a numpy scalar (``numbers.Real``); bools are not numbers here."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def real_value(label: str, value, *, low=None, high=None, strict=False) -> float:
+    """``value`` as a Python float after checking it is a finite real number in ``[low, high]`` (``(low, high]``
+    with ``strict``); ``label`` names the argument in the message ("fn: name" or "Config.field")."""
+    if not is_real(value):
+        raise ValueError(f"{label} must be a finite number, got {describe(value)}")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond the float range
+        number = math.inf
+    if not math.isfinite(number):
+        raise ValueError(f"{label} must be a finite number, got {value!r}")
+    if low is not None and (number <= low if strict else number < low):
+        raise ValueError(f"{label} must be {'>' if strict else '>='} {low}, got {value!r}")
+    if high is not None and number > high:
+        raise ValueError(f"{label} must be <= {high}, got {value!r}")
+    return number
+
+
+def check_positive_scalar(fn: str, name: str, value, optional=False) -> float | None:
+    """A finite number > 0 (Python or numpy), returned as a Python float; None passes when ``optional``."""
     if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        return None
+    number = real_value(f"{fn}: {name}", value) if is_real(value) else math.nan
+    if not number > 0:
         raise ValueError(f"{fn}: {name} must be a finite number > 0, got {value!r}")
+    return number
+
+
+def check_count(fn: str, name: str, value):
+    """A token denominator such as ``num_items_in_batch``: None, or finite and > 0 whatever its type (Python or numpy
+    number, 0-dim or one-element tensor). Returns None, a Python float or a detached 0-dim tensor.
+
+    A number is checked on the host for free. A tensor is checked on the host too, which for a CUDA tensor is one
+    device sync at the public boundary (the value checks of the other inputs already sync there, so the stream is
+    drained and it costs no overlap); no check runs inside the ops, so they stay free of syncs. While torch.compile
+    traces, the tensor's value is not checked (as with every value check here). Pass a Python number to avoid it.
+    """
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex() or value.is_meta:
+            raise ValueError(
+                f"{fn}: {name} must be a finite number > 0 or a one-element real tensor, got {describe(value)}"
+            )
+        value = value.detach().reshape(())
+        if not _tracing() and not bool(torch.isfinite(value) & (value > 0)):
+            raise ValueError(f"{fn}: {name} must be finite and > 0, got {value.item()!r} ({describe(value)})")
+        return value
+    if not is_real(value):
+        raise TypeError(f"{fn}: {name} must be a finite number > 0 or a one-element tensor, got {describe(value)}")
+    number = real_value(f"{fn}: {name}", value)
+    if not number > 0:
+        raise ValueError(f"{fn}: {name} must be a finite number > 0, got {value!r}")
+    return number
+
+
+def check_constant(fn: str, name: str, x):
+    """Refuse an input that requires grad but would get none: advantages, old/ref log-probs and sampling ratios are
+    constants of the GRPO objective (TRL detaches them), so no implementation differentiates through them."""
+    if isinstance(x, torch.Tensor) and x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{fn}: {name} must not require grad ({describe(x)}, requires_grad=True): advantages, old_logps, "
+            f"ref_logps and sampling_ratio are constants of the GRPO objective and get no gradient (TRL detaches "
+            f"them too); pass {name}.detach()"
+        )

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
-import math
+import numbers
 from dataclasses import dataclass
+
+from grpo_fast.checks import real_value
 
 
 class LossType(str, enum.Enum):
@@ -84,30 +86,26 @@ class GRPOLossConfig:
                 "GRPOLossConfig.importance_sampling_level must be one of "
                 f"{_allowed(IMPORTANCE_SAMPLING_LEVELS)}, got {self.importance_sampling_level!r}"
             )
-        _check_real("beta", self.beta, low=0.0)
-        _check_real("epsilon", self.epsilon, low=0.0)
+        self._check_real("beta", low=0.0)
+        self._check_real("epsilon", low=0.0)
         if self.epsilon_high is not None:
-            _check_real("epsilon_high", self.epsilon_high, low=0.0)
+            self._check_real("epsilon_high", low=0.0)
         if self.delta is not None:
-            _check_real("delta", self.delta, low=0.0, strict=True)
-        _check_real("temperature", self.temperature, low=0.0, strict=True)
+            self._check_real("delta", low=0.0, strict=True)
+        self._check_real("temperature", low=0.0, strict=True)
         if self.softcap is not None:
-            _check_real("softcap", self.softcap, low=0.0, strict=True)
-        if self.max_completion_length is not None and (
-            isinstance(self.max_completion_length, bool)
-            or not isinstance(self.max_completion_length, int)
-            or self.max_completion_length < 1
-        ):
-            raise ValueError(
-                "GRPOLossConfig.max_completion_length must be a positive int or None, "
-                f"got {self.max_completion_length!r}"
-            )
+            self._check_real("softcap", low=0.0, strict=True)
+        if self.max_completion_length is not None:
+            n = self.max_completion_length
+            if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+                raise ValueError(f"GRPOLossConfig.max_completion_length must be a positive int or None, got {n!r}")
+            object.__setattr__(self, "max_completion_length", int(n))  # numpy ints -> int (the JSON form)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            _check_real(name, getattr(self, name), low=0.0, strict=True)
+            self._check_real(name, low=0.0, strict=True)
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            _check_real(name, getattr(self, name))
-        _check_real("top_entropy_quantile", self.top_entropy_quantile, low=0.0, high=1.0)
-        _check_real("entropy_coef", self.entropy_coef)
+            self._check_real(name)
+        self._check_real("top_entropy_quantile", low=0.0, high=1.0)
+        self._check_real("entropy_coef")
         if not isinstance(self.use_bias_correction_kl, bool):
             raise TypeError(
                 f"GRPOLossConfig.use_bias_correction_kl must be a bool, got {type(self.use_bias_correction_kl).__name__}"
@@ -120,6 +118,14 @@ class GRPOLossConfig:
     def to_json(self) -> str:
         """All fields as a JSON string (``GRPOLossConfig(**json.loads(s))`` rebuilds it)."""
         return self._json
+
+    def _check_real(self, name, low=None, high=None, strict=False):
+        """A finite real number (Python or numpy scalar) in range; a numpy scalar is stored as a Python float so the
+        config serialises to JSON and compares equal to one built from plain floats."""
+        value = getattr(self, name)
+        number = real_value(f"GRPOLossConfig.{name}", value, low=low, high=high, strict=strict)
+        if type(value) not in (int, float):  # np.float64 subclasses float but prints as np.float64(...)
+            object.__setattr__(self, name, number)
 
     @property
     def epsilon_low(self) -> float:
@@ -134,11 +140,3 @@ class GRPOLossConfig:
     def sequence_level(self) -> bool:
         return self.importance_sampling_level == "sequence"
 
-
-def _check_real(name, value, low=None, high=None, strict=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"GRPOLossConfig.{name} must be a finite number, got {value!r}")
-    if low is not None and (value <= low if strict else value < low):
-        raise ValueError(f"GRPOLossConfig.{name} must be {'>' if strict else '>='} {low}, got {value!r}")
-    if high is not None and value > high:
-        raise ValueError(f"GRPOLossConfig.{name} must be <= {high}, got {value!r}")

@@ -12,10 +12,15 @@ from grpo_fast.reference import logprobs_reference
 
 
 def validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, softcap):
-    """Checks shared by ``fused_logprobs`` and ``grpo_loss``; returns the vocab size."""
+    """Checks shared by ``fused_logprobs`` and ``grpo_loss``; returns ``temperature`` and ``softcap`` as Python
+    floats (numpy scalars are accepted)."""
     checks.check_tensor(fn, "hidden", hidden, dtypes="float")
     if hidden.dim() < 2:
         raise ValueError(f"{fn}: hidden must be [..., H] with at least 2 dimensions, got {checks.describe(hidden)}")
+    if hidden.shape[-1] == 0:
+        raise ValueError(
+            f"{fn}: hidden must have a hidden size H >= 1 (its last dimension), got {checks.describe(hidden)}"
+        )
     checks.check_tensor(fn, "weight", weight, shape=(None, hidden.shape[-1]), dtypes="float", device=hidden.device)
     if weight.dtype != hidden.dtype:
         raise TypeError(
@@ -23,17 +28,21 @@ def validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, s
             "cast one of them explicitly (e.g. hidden.to(weight.dtype))"
         )
     vocab = weight.shape[0]
+    if vocab == 0:
+        raise ValueError(
+            f"{fn}: weight must have at least one row (a vocabulary V >= 1), got {checks.describe(weight)}"
+        )
     checks.check_tensor(fn, "target_ids", target_ids, shape=tuple(hidden.shape[:-1]), dtypes="int", device=hidden.device)
     checks.check_tensor(fn, "bias", bias, shape=(vocab,), dtypes="float", device=hidden.device, optional=True)
     if bias is not None and bias.dtype != hidden.dtype:
         raise TypeError(f"{fn}: bias must have the dtype of hidden ({hidden.dtype}), got {checks.describe(bias)}")
-    checks.check_positive_scalar(fn, "temperature", temperature)
-    checks.check_positive_scalar(fn, "softcap", softcap, optional=True)
+    temperature = checks.check_positive_scalar(fn, "temperature", temperature)
+    softcap = checks.check_positive_scalar(fn, "softcap", softcap, optional=True)
     checks.check_token_ids(fn, "target_ids", target_ids, vocab)
     checks.check_finite(fn, "hidden", hidden)
     checks.check_finite(fn, "weight", weight)
     checks.check_finite(fn, "bias", bias)
-    return vocab
+    return temperature, softcap
 
 
 def logprobs_and_entropy(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl):
@@ -73,7 +82,7 @@ def fused_logprobs(
     has its own gradient. Both are differentiable w.r.t. hidden, weight and bias.
     """
     fn = "fused_logprobs"
-    validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, softcap)
+    temperature, softcap = validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, softcap)
     impl = resolve_impl(impl, hidden.device, fn, hidden.dtype)
     logps, entropy = logprobs_and_entropy(
         hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl

@@ -35,18 +35,16 @@ def _validate_loss_inputs(fn, B, T, device, advantages, completion_mask, old_log
             f"{fn}: config.beta={config.beta} needs ref_logps (the reference model's per-token log-probs [B, T]); "
             "got None. Pass ref_logps, or set beta=0.0 to train without a KL term"
         )
-    if num_items_in_batch is not None:
-        n = num_items_in_batch
-        if isinstance(n, torch.Tensor):
-            if n.numel() != 1:
-                raise ValueError(f"{fn}: num_items_in_batch must be a scalar, got {checks.describe(n)}")
-        elif isinstance(n, bool) or not isinstance(n, (int, float)) or n < 0:
-            raise ValueError(f"{fn}: num_items_in_batch must be a number >= 0 or a scalar tensor, got {n!r}")
+    for name, x in (("advantages", advantages), ("old_logps", old_logps), ("ref_logps", ref_logps),
+                    ("sampling_ratio", sampling_ratio)):
+        checks.check_constant(fn, name, x)
     checks.check_finite(fn, "advantages", advantages)
     checks.check_finite(fn, "old_logps", old_logps, where=mask)
     checks.check_finite(fn, "ref_logps", ref_logps, where=mask)
     checks.check_finite(fn, "sampling_ratio", sampling_ratio)
-    return mask
+    # after the other value checks: a CUDA tensor's check then finds the stream already drained
+    num_items_in_batch = checks.check_count(fn, "num_items_in_batch", num_items_in_batch)
+    return mask, num_items_in_batch
 
 
 def _to_output(loss, logps, metrics, config: GRPOLossConfig, has_entropy: bool) -> LossOutput:
@@ -98,8 +96,15 @@ def grpo_loss(
     target_ids, completion_mask, old_logps, ref_logps: ``[B, T]``; advantages: ``[B]`` or ``[B, T]``;
     sampling_ratio: ``[B, T]`` or ``[B, 1]`` (vLLM importance-sampling weights). ``old_logps=None`` means one update
     per generation (the ratio is 1, its gradient is not). ``num_items_in_batch``: the token denominator of
-    dapo/cispo/vespo (None: this micro-batch's masked tokens); pass the global count so gradient accumulation
-    matches one large batch. Returns ``LossOutput``.
+    dapo/cispo/vespo (None: this micro-batch's masked tokens; values below 1 count as 1); pass the global count so
+    gradient accumulation matches one large batch. It must be finite and > 0: a Python or numpy number (checked for
+    free) or a one-element tensor (checked on the host: one device sync for a CUDA tensor; see
+    ``grpo_fast.checks.check_count``). Returns ``LossOutput``.
+
+    Gradients: the loss is differentiable w.r.t. hidden, weight and bias. ``advantages``, ``old_logps``,
+    ``ref_logps`` and ``sampling_ratio`` are constants of the objective, as in TRL (which computes them without
+    gradient): passing one that requires grad while grad mode is on is a ``ValueError`` rather than a silent zero
+    gradient; detach it.
     """
     fn = "grpo_loss"
     if not isinstance(config, GRPOLossConfig):
@@ -109,8 +114,8 @@ def grpo_loss(
         raise ValueError(f"{fn}: hidden must be [B, T, H], got {checks.describe(hidden)}")
     validate_logprob_inputs(fn, hidden, weight, target_ids, bias, config.temperature, config.softcap)
     B, T = target_ids.shape
-    mask = _validate_loss_inputs(fn, B, T, hidden.device, advantages, completion_mask, old_logps, ref_logps,
-                                 sampling_ratio, num_items_in_batch, None, config)
+    mask, num_items_in_batch = _validate_loss_inputs(fn, B, T, hidden.device, advantages, completion_mask, old_logps,
+                                                     ref_logps, sampling_ratio, num_items_in_batch, None, config)
     impl = resolve_impl(impl, hidden.device, fn, hidden.dtype)
     kw = dict(old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=sampling_ratio,
               num_items_in_batch=num_items_in_batch)
@@ -142,12 +147,13 @@ def grpo_loss_from_logps(
 
     ``entropy [B, T]`` is needed for ``top_entropy_quantile < 1`` and ``entropy_coef != 0`` (and for the entropy
     metric). ``config.temperature``/``softcap`` are not applied here: they belong to whoever computed ``logps``.
+    Differentiable w.r.t. ``logps`` and ``entropy``; the other tensors are constants (see ``grpo_loss``).
     """
     fn = "grpo_loss_from_logps"
     checks.check_tensor(fn, "logps", logps, ndim=2, dtypes="float")
     B, T = logps.shape
-    mask = _validate_loss_inputs(fn, B, T, logps.device, advantages, completion_mask, old_logps, ref_logps,
-                                 sampling_ratio, num_items_in_batch, entropy, config)
+    mask, num_items_in_batch = _validate_loss_inputs(fn, B, T, logps.device, advantages, completion_mask, old_logps,
+                                                     ref_logps, sampling_ratio, num_items_in_batch, entropy, config)
     if entropy is None and (config.top_entropy_quantile < 1.0 or config.entropy_coef != 0.0):
         raise ValueError(
             f"{fn}: config.top_entropy_quantile={config.top_entropy_quantile} / entropy_coef={config.entropy_coef} "

@@ -147,7 +147,8 @@ def loss_from_logps_reference(
         if num_items_in_batch is None:
             normalizer = mask.sum().clamp(min=1.0)
         else:
-            normalizer = torch.as_tensor(num_items_in_batch, dtype=dtype, device=logps.device).clamp(min=1.0)
+            normalizer = torch.as_tensor(num_items_in_batch, dtype=dtype, device=logps.device).reshape(())
+            normalizer = normalizer.clamp(min=1.0)
         loss = masked.sum() / normalizer
 
     if config.entropy_coef != 0.0:
@@ -156,9 +157,14 @@ def loss_from_logps_reference(
 
     def masked_mean(x):
         x = x.detach().to(dtype)
-        if config.sequence_level and x.shape[1] == 1:  # one value per sequence
-            return x.mean()
         return (x * mask).sum() / mask.sum().clamp(min=1.0)
+
+    def ratio_mean(flags):
+        # TRL logs a sequence-level ratio's flags [B, 1] as one value per sequence. (TRL tells them apart by shape
+        # alone, so at T = 1 it also averages per-token metrics over padding; the flags' origin decides here.)
+        if config.sequence_level and adv.shape[1] == 1:
+            return flags.to(dtype).mean()
+        return masked_mean(flags)
 
     kl = masked_mean(per_token_kl) if config.beta != 0.0 else None
     ent = masked_mean(entropy) if entropy is not None else None
@@ -167,9 +173,9 @@ def loss_from_logps_reference(
         # TRL counts clipping on the delta-clamped ratio
         is_low = (clipped_coef_1 < 1 - config.epsilon_low) & (adv < 0)
         is_high = (clipped_coef_1 > 1 + config.eps_high) & (adv > 0)
-        low, high, region = masked_mean(is_low), masked_mean(is_high), masked_mean(is_low | is_high)
+        low, high, region = ratio_mean(is_low), ratio_mean(is_high), ratio_mean(is_low | is_high)
     elif loss_type == LossType.CISPO:
-        high = masked_mean((coef_1 > config.eps_high) & (adv > 0))
+        high = ratio_mean((coef_1 > config.eps_high) & (adv > 0))
     return LossOutput(loss, logps.detach(), kl, ent, low, high, region)
 
 
@@ -206,16 +212,36 @@ def grpo_loss_reference(
     )
 
 
-def _nanstd(x, dim=None, keepdim=False):
-    """Unbiased std ignoring NaN (TRL ``nanstd``): NaN where fewer than two values are present."""
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
+def pow2_scale(amax: torch.Tensor) -> torch.Tensor:
+    """``2 ** floor(log2(amax))`` where ``amax`` (a group's largest |value|) is at least the smallest normal float32,
+    else 1. Group statistics are taken on ``x / scale``, whose squares cannot overflow for any finite ``x`` (rewards
+    of 1e30 overflow float32 squares); a power of two divides exactly, so wherever the unscaled sums neither overflow
+    nor underflow the results are the same bit for bit. The torch path and the Triton kernel use the same scale."""
+    return torch.where(amax >= FLOAT32_TINY, torch.exp2(torch.floor(torch.log2(amax))), 1.0)
+
+
+def _nanstats(x, dim=None, keepdim=False):
+    """NaN-aware mean and unbiased std of ``x`` (TRL ``nanmean`` / ``nanstd``: std NaN with fewer than two values),
+    taken on ``x / scale`` (``pow2_scale`` of the largest |x|). Returns ``(mean, std / scale, scale)``: the std
+    stays in those units so that z-scores of any finite ``x`` are computed without overflow (``zscore``)."""
     if dim is None:
         x, dim = x.reshape(-1), 0
-    mean = torch.nanmean(x, dim=dim, keepdim=True)
-    var = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    scale = pow2_scale(torch.nan_to_num(x.abs(), nan=0.0).amax(dim=dim, keepdim=True))
+    xs = x / scale
+    mean = torch.nanmean(xs, dim=dim, keepdim=True)
+    var = torch.nanmean((xs - mean) ** 2, dim=dim, keepdim=True)
     count = (~torch.isnan(x)).sum(dim=dim, keepdim=True).to(x.dtype)  # TRL: int64 / int64 -> float32 factor
     var = var * torch.where(count > 1, count / (count - 1), torch.full_like(var, float("nan")))
-    std = var.sqrt()
-    return std if keepdim else std.squeeze(dim)
+    out = (mean * scale, var.sqrt(), scale)
+    return out if keepdim else tuple(t.squeeze(dim) for t in out)
+
+
+def zscore(x, mean, std_scaled, scale, eps):
+    """``(x - mean) / (std + eps)`` in units of ``scale`` (finite for any finite x, mean and std)."""
+    return (x / scale - mean / scale) / (std_scaled + eps / scale)
 
 
 def group_advantages_reference(
@@ -244,7 +270,7 @@ def group_advantages_reference(
         z = torch.full_like(r, float("nan"))
         for idx in groups:
             sub = r[idx]
-            z[idx] = (sub - torch.nanmean(sub, 0, keepdim=True)) / (_nanstd(sub, 0, keepdim=True) + eps)
+            z[idx] = zscore(sub, *_nanstats(sub, 0, keepdim=True), eps)
         total = (z * w).nansum(dim=1)
         total[unscorable] = float("nan")
     else:
@@ -253,27 +279,30 @@ def group_advantages_reference(
 
     group_mean = torch.empty(n, dtype=dtype, device=r.device)
     group_std = torch.empty(n, dtype=dtype, device=r.device)
+    group_z = torch.empty(n, dtype=dtype, device=r.device)
     zero_std = torch.empty(n, dtype=torch.bool, device=r.device)
     for idx in groups:
         sub = total[idx]
         scored = sub[~torch.isnan(sub)]
-        group_mean[idx] = torch.nanmean(sub)
-        group_std[idx] = _nanstd(sub)
+        mean, std_scaled, s = _nanstats(sub)
+        group_mean[idx], group_std[idx] = mean, std_scaled * s
+        group_z[idx] = zscore(sub, mean, std_scaled, s, eps)
         zero_std[idx] = bool(scored.numel() < 2 or (scored.max() == scored.min()))
 
     if aggregation == "normalize_then_sum":
-        batch_std = _nanstd(total)
-        adv = (total - torch.nanmean(total)) / (batch_std + eps)
-        group_mean = torch.nanmean(total).expand(n).clone()
-        group_std = batch_std.expand(n).clone()
-        return AdvantageOutput(torch.nan_to_num(adv, nan=0.0), group_mean, group_std, zero_std)
+        mean, std_scaled, s = _nanstats(total)
+        adv = zscore(total, mean, std_scaled, s, eps)
+        return AdvantageOutput(torch.nan_to_num(adv, nan=0.0), mean.expand(n).clone(),
+                               (std_scaled * s).expand(n).clone(), zero_std)
 
-    adv = total - group_mean
     if scale == "group":
-        adv = adv / (group_std + eps)
+        adv = group_z
     elif scale == "batch":
-        group_std = _nanstd(total).expand(n).clone()
-        adv = adv / (group_std + eps)
+        _, std_scaled, s = _nanstats(total)
+        adv = zscore(total, group_mean, std_scaled, s, eps)
+        group_std = (std_scaled * s).expand(n).clone()
+    else:
+        adv = total - group_mean
     adv = torch.nan_to_num(adv, nan=0.0)
     adv = adv.masked_fill(zero_std, 0.0)  # exact zeros, not (r - mean) rounding noise over eps
     return AdvantageOutput(adv, group_mean, group_std, zero_std)

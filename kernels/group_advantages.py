@@ -1,12 +1,17 @@
 """Segmented group statistics and normalised advantages over group ids (TRL 1.16 semantics, DESIGN.md §3-§4).
 
 One program per group walks its rows (the host sorts rows by group once: ``order``, ``offsets``) in BLOCK rows at a
-time, twice: pass 1 counts the scored (non-NaN) values and sums them, pass 2 sums squared deviations from the mean
-(two-pass, so no catastrophic cancellation) and takes min and max. It writes the group's mean, unbiased std (NaN with
-fewer than two scores) and zero-spread flag, and each row's advantage ``(r - mean) / (std + eps)`` (SCALE_GROUP),
-``r - mean`` (SCALE_NONE) or ``(r - mean) / (divisor + eps)`` (SCALE_GIVEN: the batch std). NaN advantages become 0;
-with ZERO_FLAT rows of zero-spread groups get exactly 0. Traffic: the values are read twice and written once.
-Limits: any number of groups (grid axis 0) and any group size (looped).
+time: pass 1 counts the scored (non-NaN) values and takes min, max and the largest |value|, from which the group's
+scale ``s = 2 ** floor(log2(max |x|))`` (1 below the smallest normal float32; ``grpo_fast.reference.pow2_scale``);
+pass 2 sums ``x / s``; pass 3 sums squared deviations of ``x / s`` from the mean (two-pass, so no catastrophic
+cancellation). Working in units of s keeps the squares finite for any finite rewards (1e30 overflows float32 squares)
+and, s being a power of two, changes nothing wherever the unscaled sums would not overflow or underflow. It writes
+the group's mean, unbiased std in units of s (NaN with fewer than two scores), s and the zero-spread flag, and each
+row's advantage ``(r - mean) / (std + eps)`` (SCALE_GROUP), ``r - mean`` (SCALE_NONE) or
+``(r - mean) / (divisor + eps)`` (SCALE_GIVEN: the batch std, given in its own units), all formed in scaled units.
+NaN advantages become 0; with ZERO_FLAT rows of zero-spread groups get exactly 0. Traffic: the values are read four
+times and written once. Limits: any number of groups (grid axis 0) and any group size (looped). No float64 inside:
+it runs in the dtype of the values.
 """
 
 from __future__ import annotations
@@ -35,10 +40,11 @@ def _group_advantages_kernel(
     x_ptr,  # [N] values (NaN = no score)
     order_ptr,  # [N] int64 row indices sorted by group
     offsets_ptr,  # [G + 1] int64 start of each group in order
-    divisor_ptr,  # [] the batch std (SCALE_GIVEN)
+    divisor_ptr,  # [2] the batch's std in its units and its scale (SCALE_GIVEN)
     adv_ptr,  # [N] out: advantages, in original row order
     mean_ptr,  # [G] out
-    std_ptr,  # [G] out
+    std_ptr,  # [G] out: unbiased std / scale
+    scale_ptr,  # [G] out: the power-of-two scale the statistics were taken in
     flat_ptr,  # [G] out: int8 zero-spread flag
     eps,
     SCALE: tl.constexpr,
@@ -50,37 +56,49 @@ def _group_advantages_kernel(
     end = tl.load(offsets_ptr + g + 1)
     dtype = x_ptr.dtype.element_ty
     cnt = tl.zeros((BLOCK,), dtype)
-    tot = tl.zeros((BLOCK,), dtype)
-    for i0 in range(start, end, BLOCK):
-        rows, x, inb, valid = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
-        cnt += valid.to(dtype)
-        tot += tl.where(valid, x, 0.0)
-    count = tl.sum(cnt, 0)
-    mean = tl.sum(tot, 0) / count  # 0 / 0 -> NaN for a group with no score
-    m2 = tl.zeros((BLOCK,), dtype)
+    big = tl.zeros((BLOCK,), dtype)
     lo = tl.full((BLOCK,), float("inf"), dtype)
     hi = tl.full((BLOCK,), float("-inf"), dtype)
     for i0 in range(start, end, BLOCK):
         rows, x, inb, valid = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
-        d = tl.where(valid, x - mean, 0.0)
-        m2 += d * d
+        cnt += valid.to(dtype)
+        big = tl.maximum(big, tl.where(valid, tl.abs(x), 0.0))
         lo = tl.minimum(lo, tl.where(valid, x, float("inf")))
         hi = tl.maximum(hi, tl.where(valid, x, float("-inf")))
+    count = tl.sum(cnt, 0)
+    big = tl.max(big, 0)
+    s = tl.exp2(tl.floor(tl.log2(tl.where(big >= 1.1754943508222875e-38, big, 1.0))))  # 1 for tiny or no values
+    tot = tl.zeros((BLOCK,), dtype)
+    for i0 in range(start, end, BLOCK):
+        rows, x, inb, valid = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
+        tot += tl.where(valid, x / s, 0.0)
+    mean = tl.sum(tot, 0) / count  # in units of s; 0 / 0 -> NaN for a group with no score
+    m2 = tl.zeros((BLOCK,), dtype)
+    for i0 in range(start, end, BLOCK):
+        rows, x, inb, valid = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
+        d = tl.where(valid, x / s - mean, 0.0)
+        m2 += d * d
     std = tl.sqrt(tl.sum(m2, 0) / (count - 1.0))
     std = tl.where(count > 1.0, std, float("nan"))
     flat = (count < 2.0) | (tl.max(hi, 0) == tl.min(lo, 0))
-    tl.store(mean_ptr + g, mean)
+    tl.store(mean_ptr + g, mean * s)
     tl.store(std_ptr + g, std)
+    tl.store(scale_ptr + g, s)
     tl.store(flat_ptr + g, flat.to(tl.int8))
-    if SCALE == 1:
-        div = std + eps
-    elif SCALE == 2:
-        div = tl.load(divisor_ptr).to(dtype) + eps
+    if SCALE == 2:  # z-scores in the batch's units u: (x / u - mean * (s / u)) / (batch std / u + eps / u)
+        u = tl.load(divisor_ptr + 1).to(dtype)
+        shift = mean * (s / u)
+        div = tl.load(divisor_ptr).to(dtype) + eps / u
+    else:
+        u = s
+        shift = mean
+        div = std + eps / s
     for i0 in range(start, end, BLOCK):
         rows, x, inb, _ = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
-        a = x - mean
-        if SCALE != 0:
-            a = a / div
+        if SCALE == 0:
+            a = x - mean * s
+        else:
+            a = (x / u - shift) / div
         a = tl.where(a == a, a, 0.0)
         if ZERO_FLAT:
             a = tl.where(flat, 0.0, a)
@@ -88,21 +106,24 @@ def _group_advantages_kernel(
 
 
 def segment_normalize(x, order, offsets, scale, eps, divisor=None, zero_flat=True):
-    """x ``[N]`` -> (advantages ``[N]``, mean ``[G]``, std ``[G]``, flat ``[G]`` bool) for groups given by the sorted
-    ``order`` and ``offsets [G + 1]``; ``scale`` one of SCALE_*; ``divisor`` a 0-dim tensor for SCALE_GIVEN."""
+    """x ``[N]`` -> (advantages ``[N]``, mean ``[G]``, std ``[G]``, flat ``[G]`` bool, std / scale ``[G]``, scale
+    ``[G]``) for groups given by the sorted ``order`` and ``offsets [G + 1]``; ``scale`` one of SCALE_*; ``divisor``
+    a ``[2]`` tensor (std / scale, scale) for SCALE_GIVEN."""
     n = x.shape[0]
     g = offsets.shape[0] - 1
     x = x.contiguous()
     adv = torch.empty_like(x)
     mean = torch.empty(g, dtype=x.dtype, device=x.device)
-    std = torch.empty_like(mean)
+    std_scaled = torch.empty_like(mean)
+    group_scale = torch.empty_like(mean)
     flat = torch.empty(g, dtype=torch.int8, device=x.device)
     block = min(1024, triton.next_power_of_2(max(1, min(n, 1024))))
     _group_advantages_kernel[(g,)](
-        x, order, offsets, x if divisor is None else divisor.reshape(()), adv, mean, std, flat, eps,
-        SCALE=scale, ZERO_FLAT=zero_flat, BLOCK=block,
+        x, order, offsets, x if divisor is None else divisor.contiguous(), adv, mean, std_scaled, group_scale, flat,
+        eps, SCALE=scale, ZERO_FLAT=zero_flat, BLOCK=block,
     )
-    return adv, mean, std, flat.bool()
+    # the std itself is inf only where it exceeds the dtype's range; the advantages above never needed it
+    return adv, mean, std_scaled * group_scale, flat.bool(), std_scaled, group_scale
 
 
 def group_advantages_triton(rewards, index, num_groups, scale, eps, weights, aggregation):
@@ -122,22 +143,19 @@ def group_advantages_triton(rewards, index, num_groups, scale, eps, weights, agg
     else:
         total = torch.where(unscorable, float("nan"), (rewards * weights).nansum(dim=1))
 
-    _, mean, std, flat = segment_normalize(total, order, offsets, SCALE_NONE, eps)
+    adv, mean, std, flat, _, _ = segment_normalize(
+        total, order, offsets, SCALE_GROUP if scale == "group" else SCALE_NONE, eps)
     zero_std = flat[index]
+    n = total.shape[0]
+    if aggregation == "normalize_then_sum" or scale == "batch":
+        batch_order = torch.arange(n, device=total.device)
+        batch_offsets = torch.tensor([0, n], device=total.device)
+        badv, bmean, bstd, _, bstd_scaled, bscale = segment_normalize(
+            total, batch_order, batch_offsets, SCALE_GROUP, eps, zero_flat=False)
     if aggregation == "normalize_then_sum":
-        batch_order = torch.arange(total.shape[0], device=total.device)
-        batch_offsets = torch.tensor([0, total.shape[0]], device=total.device)
-        adv, bmean, bstd, _ = segment_normalize(total, batch_order, batch_offsets, SCALE_GROUP, eps, zero_flat=False)
-        n = total.shape[0]
-        return AdvantageOutput(adv, bmean.expand(n).clone(), bstd.expand(n).clone(), zero_std)
-    if scale == "group":
-        adv = segment_normalize(total, order, offsets, SCALE_GROUP, eps)[0]
-        return AdvantageOutput(adv, mean[index], std[index], zero_std)
+        return AdvantageOutput(badv, bmean.expand(n).clone(), bstd.expand(n).clone(), zero_std)
     if scale == "batch":
-        batch_order = torch.arange(total.shape[0], device=total.device)
-        batch_offsets = torch.tensor([0, total.shape[0]], device=total.device)
-        bstd = segment_normalize(total, batch_order, batch_offsets, SCALE_NONE, eps)[2]
-        adv = segment_normalize(total, order, offsets, SCALE_GIVEN, eps, divisor=bstd)[0]
+        divisor = torch.cat([bstd_scaled, bscale])
+        adv = segment_normalize(total, order, offsets, SCALE_GIVEN, eps, divisor=divisor)[0]
         return AdvantageOutput(adv, mean[index], bstd.expand_as(total).clone(), zero_std)
-    adv = segment_normalize(total, order, offsets, SCALE_NONE, eps)[0]
     return AdvantageOutput(adv, mean[index], std[index], zero_std)

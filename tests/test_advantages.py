@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
 from grpo_fast import group_advantages
+from grpo_fast.dispatch import triton_interpreting
 from grpo_fast.testing import ATOL, assert_close_rule, max_abs_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLS = ["torch", "reference",
+         pytest.param("triton", marks=pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreting(),
+                                                         reason="Triton needs CUDA or TRITON_INTERPRET=1"))]
 
 
 def _rewards(n, k, seed, nan_frac=0.2, dtype=torch.float64):
@@ -69,9 +76,11 @@ def test_zero_std_singleton_and_unscorable_rows_get_exactly_zero():
     assert out.advantages[:3].eq(0).all() and out.zero_std[:3].all()  # identical rewards: no signal, exactly 0
     assert out.advantages[3] == 0 and out.zero_std[3]  # singleton
     assert out.advantages[4] == 0  # unscorable row: NaN -> 0, excluded from its group's statistics
-    assert torch.isclose(out.group_mean[5], torch.tensor(3.5))
-    assert torch.isfinite(out.advantages).all()
-    assert out.advantages[5] < 0 < out.advantages[6]
+    std = (2 * 1.5**2) ** 0.5  # the scores 2 and 5 of the last group: mean 3.5, unbiased std
+    assert max_abs_err(out.group_mean[4:], torch.full((3,), 3.5)) <= ATOL[torch.float32]
+    assert max_abs_err(out.group_std[4:], torch.full((3,), std)) <= ATOL[torch.float32]
+    want = torch.tensor([0.0, -1.5 / (std + 1e-4), 1.5 / (std + 1e-4)])
+    assert max_abs_err(out.advantages[4:], want) <= ATOL[torch.float32]
 
 
 def test_nan_scores_are_left_out_of_the_statistics():
@@ -85,10 +94,48 @@ def test_nan_scores_are_left_out_of_the_statistics():
 
 
 def test_near_zero_std_group_is_not_flagged():
+    """A spread of 1e-6 is a signal, scaled by 1 / (std + eps): eps, not the tiny std, sets the size."""
     r = torch.tensor([1.0, 1.0 + 1e-6, 1.0, 1.0], dtype=torch.float64)
     out = group_advantages(r, group_size=4)
     assert not out.zero_std.any()
-    assert torch.isfinite(out.advantages).all() and out.advantages.abs().max() < 1e-1  # eps keeps it bounded
+    dev = torch.tensor([-0.25e-6, 0.75e-6, -0.25e-6, -0.25e-6], dtype=torch.float64)
+    std = (dev.pow(2).sum() / 3).sqrt()
+    assert max_abs_err(out.advantages, dev / (std + 1e-4)) <= ATOL[torch.float64]
+
+
+def _closed_form(r, scale):
+    """Advantages, group means and stds of rewards ``r [groups, G]`` with eps = 0, written out."""
+    mean = r.mean(1, keepdim=True).expand_as(r)
+    std = (r.flatten().std() if scale == "batch" else r.std(1, keepdim=True)).expand_as(r)
+    adv = r - mean if scale == "none" else (r - mean) / std
+    return adv.flatten(), mean.flatten(), std.flatten()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype,magnitude", [(torch.float32, 1e30), (torch.float32, 1e-30), (torch.float32, 2.0**125),
+                                             (torch.float64, 1e200)])
+def test_huge_and_tiny_rewards_give_the_scale_free_advantages(impl, dtype, magnitude):
+    """Group statistics never overflow: with eps = 0, rewards m * r have the advantages of r (times m for scale
+    "none") and m times its means and stds. Rewards of 1e30 used to overflow the float32 squares (std inf, every
+    advantage 0), rewards of 1e-30 to underflow them (std 0, advantages inf); at 2**125 (6 * 2**125 ~ 2.6e38) even
+    a group's sum overflows float32. The float32 closed form runs on the unscaled r, so the rule's PyTorch error is
+    honest (a float32 reference at magnitude m would overflow too and make the bound vacuous)."""
+    base = torch.tensor([[1.0, 2.0, 3.0, 6.0], [-2.0, 0.5, 0.5, 4.0]], dtype=torch.float64)
+    rewards = (base * magnitude).to(dtype).flatten().to(DEVICE)
+    for scale in ("group", "batch", "none"):
+        out = group_advantages(rewards, group_size=4, eps=0.0, scale=scale, impl=impl)
+        got = (out.advantages.double() / (magnitude if scale == "none" else 1.0), out.group_mean.double() / magnitude,
+               out.group_std.double() / magnitude)
+        for name, a, b, c in zip(("advantages", "group_mean", "group_std"), got, _closed_form(base.to(dtype), scale),
+                                 _closed_form(base, scale)):
+            assert_close_rule(a.cpu(), b, c, dtype, f"{name} [{scale}]")
+
+
+def test_numpy_scalars_are_numbers():
+    rewards = _rewards(12, 1, seed=14, nan_frac=0.0)
+    plain = group_advantages(rewards, group_size=4, eps=2.0**-10)  # exact in float32, so numpy's equals it
+    for group_size, eps in ((np.int64(4), np.float32(2.0**-10)), (np.int32(4), np.float64(2.0**-10))):
+        assert torch.equal(group_advantages(rewards, group_size=group_size, eps=eps).advantages, plain.advantages)
 
 
 @pytest.mark.parametrize(
@@ -102,7 +149,11 @@ def test_near_zero_std_group_is_not_flagged():
         (dict(group_ids=torch.zeros(12)), "group_ids must be an integer tensor"),
         (dict(group_size=4, scale="median"), "scale must be one of 'group', 'batch', 'none'"),
         (dict(group_size=4, aggregation="sum"), "aggregation must be one of"),
-        (dict(group_size=4, eps=-1.0), "eps must be a finite number >= 0"),
+        (dict(group_size=4, eps=-1.0), r"group_advantages: eps must be >= 0.0, got -1.0"),
+        (dict(group_size=4, eps=float("nan")), "group_advantages: eps must be a finite number, got nan"),
+        (dict(group_size=4, eps="0.1"), "group_advantages: eps must be a finite number, got str '0.1'"),
+        (dict(group_size=np.float64(4.0)), "group_size must be a positive int"),
+        (dict(group_size=24), "group_size must be a positive int dividing the 12 rows"),
         (dict(group_size=4, reward_weights=[1.0, 2.0]), "reward_weights must have 1 entries"),
     ],
 )
@@ -118,3 +169,5 @@ def test_bad_rewards_are_named():
         group_advantages(torch.tensor([1, 2]), group_size=2)
     with pytest.raises(ValueError, match="rewards must have"):
         group_advantages(torch.zeros(2, 2, 2), group_size=2)
+    with pytest.raises(ValueError, match="rewards must hold data, got a meta tensor"):
+        group_advantages(torch.zeros(4, device="meta"), group_size=2)

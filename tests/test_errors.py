@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
+import numpy as np
 import pytest
 import torch
 from helpers import make_batch
@@ -32,11 +34,24 @@ def batch():
         ("top_entropy_quantile", 1.5, "top_entropy_quantile must be <= 1.0"),
         ("use_bias_correction_kl", 1, "use_bias_correction_kl must be a bool"),
         ("sapo_temperature_neg", 0, "sapo_temperature_neg must be > 0.0"),
+        ("beta", "0.1", "GRPOLossConfig.beta must be a finite number, got str '0.1'"),
+        ("epsilon", np.float32("nan"), "GRPOLossConfig.epsilon must be a finite number, got np.float32(nan)"),
+        ("temperature", np.float64(-1.0), "GRPOLossConfig.temperature must be > 0.0, got np.float64(-1.0)"),
+        ("max_completion_length", np.float64(8), "max_completion_length must be a positive int"),
     ],
 )
 def test_config_validation_names_the_field(field, value, match):
     with pytest.raises((ValueError, TypeError), match=match.replace("(", r"\(").replace(")", r"\)")):
         GRPOLossConfig(**{field: value})
+
+
+def test_config_takes_numpy_scalars_as_numbers():
+    """np.float32(0.7) is a number: stored as the Python float it equals, so the config serialises and compares."""
+    kw = dict(beta=0.25, epsilon=0.125, temperature=0.75, softcap=30.0, top_entropy_quantile=0.5, entropy_coef=0.0)
+    config = GRPOLossConfig(**{k: np.float32(v) for k, v in kw.items()}, max_completion_length=np.int64(64))
+    assert config == GRPOLossConfig(**kw, max_completion_length=64)
+    assert type(config.beta) is float and type(config.max_completion_length) is int
+    assert GRPOLossConfig(**json.loads(config.to_json())) == config
 
 
 def test_config_accepts_strings_and_enum():
@@ -70,8 +85,24 @@ def _call(batch, **changes):
         (dict(sampling_ratio=torch.ones(2, 3)), r"sampling_ratio must have shape \[2, 5\] or \[2, 1\]"),
         (dict(bias=torch.zeros(12)), r"bias must have shape \[13\]"),
         (dict(hidden=torch.full((2, 5, 8), float("inf"))), "hidden must be finite"),
-        (dict(num_items_in_batch=torch.ones(2)), "num_items_in_batch must be a scalar"),
-        (dict(num_items_in_batch=-3), "num_items_in_batch must be a number >= 0"),
+        (dict(num_items_in_batch=torch.ones(2)),
+         r"num_items_in_batch must be a finite number > 0 or a one-element real tensor, got tensor of shape \(2,\)"),
+        (dict(num_items_in_batch=-3), "grpo_loss: num_items_in_batch must be a finite number > 0, got -3"),
+        (dict(num_items_in_batch=0), "num_items_in_batch must be a finite number > 0, got 0"),
+        (dict(num_items_in_batch=float("nan")), "num_items_in_batch must be a finite number, got nan"),
+        (dict(num_items_in_batch=float("inf")), "num_items_in_batch must be a finite number, got inf"),
+        (dict(num_items_in_batch=10**400), "num_items_in_batch must be a finite number, got 1000"),
+        (dict(num_items_in_batch=np.float64("nan")), "num_items_in_batch must be a finite number, got np.float64"),
+        (dict(num_items_in_batch=torch.tensor(-5.0)), r"num_items_in_batch must be finite and > 0, got -5.0 \(tensor"),
+        (dict(num_items_in_batch=torch.tensor([float("inf")])), "num_items_in_batch must be finite and > 0, got inf"),
+        (dict(num_items_in_batch=torch.tensor(True)), "num_items_in_batch must be .* one-element real tensor"),
+        (dict(num_items_in_batch=True), "num_items_in_batch must be a finite number > 0 or a one-element tensor, got "
+                                        "bool True"),
+        (dict(num_items_in_batch="12"), "num_items_in_batch must be a finite number > 0 .* got str '12'"),
+        (dict(hidden=torch.randn(2, 5, 0), weight=torch.randn(13, 0)), r"hidden must have a hidden size H >= 1"),
+        (dict(weight=torch.randn(0, 8)), r"weight must have at least one row \(a vocabulary V >= 1\)"),
+        (dict(weight=torch.randn(13, 8, device="meta")), "weight must hold data, got a meta tensor"),
+        (dict(hidden=torch.randn(2, 5, 8, device="meta")), "hidden must hold data, got a meta tensor"),
         (dict(config=GRPOLossConfig(beta=0.1), ref_logps=None), "config.beta=0.1 needs ref_logps"),
         (dict(config="dapo"), "config must be a GRPOLossConfig, got str"),
         (dict(hidden=torch.randn(2, 5, 8).to(torch.int64)), "hidden must be float32, bfloat16, float16 or float64"),
@@ -83,12 +114,52 @@ def test_grpo_loss_bad_input(batch, changes, match):
 
 
 def test_padding_values_are_not_checked(batch):
-    """-inf/NaN old or ref log-probs at masked positions are padding, not an error."""
+    """-inf/NaN old or ref log-probs at masked positions are padding, not an error, and change nothing (the
+    reference, TRL's formulas verbatim, would turn them into a NaN loss: 0 * NaN)."""
     mask = batch["completion_mask"]
     old = torch.where(mask, batch["old_logps"], float("nan"))
     ref = torch.where(mask, batch["ref_logps"], -float("inf"))
-    out = _call(batch, old_logps=old, ref_logps=ref, config=GRPOLossConfig(beta=0.1))
-    assert torch.isfinite(out.loss)
+    config = GRPOLossConfig(beta=0.1)
+    out = _call(batch, old_logps=old, ref_logps=ref, config=config)
+    clean = _call(batch, config=config)
+    for name, value in out._asdict().items():
+        if value is not None:
+            assert torch.equal(value, getattr(clean, name)), name
+
+
+@pytest.mark.parametrize("n", [57, 57.0, np.float32(57), np.int64(57), torch.tensor(57), torch.tensor([57.0]),
+                               torch.tensor(57.0, dtype=torch.float64)], ids=repr)
+def test_num_items_in_batch_any_type(batch, n):
+    """Every spelling of the number 57 gives the loss of the Python int 57, a 0-dim loss."""
+    want = _call(batch, num_items_in_batch=57).loss
+    got = _call(batch, num_items_in_batch=n).loss
+    assert got.shape == () and torch.equal(got, want)
+    ref = grpo_loss(**batch, num_items_in_batch=n, impl="reference").loss
+    assert ref.shape == () and torch.allclose(ref, want)
+
+
+@pytest.mark.parametrize("name", ["advantages", "old_logps", "ref_logps", "sampling_ratio"])
+@pytest.mark.parametrize("fn", ["grpo_loss", "grpo_loss_from_logps"])
+def test_constants_that_require_grad_are_refused(batch, name, fn):
+    """advantages and the old/ref log-probs and sampling ratios are constants (TRL detaches them): one that requires
+    grad would get none, so it is refused while grad mode is on, and accepted under no_grad."""
+    batch["sampling_ratio"] = torch.full((2, 1), 0.9)
+    batch[name] = batch[name].clone().requires_grad_(True)
+    config = GRPOLossConfig(beta=0.1)
+    with torch.no_grad():
+        logps = grpo_loss(**batch, config=config).per_token_logps
+
+    def call():
+        if fn == "grpo_loss":
+            return grpo_loss(**batch, config=config)
+        kw = {k: batch[k] for k in ("old_logps", "ref_logps", "sampling_ratio")}
+        return grpo_loss_from_logps(logps, batch["advantages"], batch["completion_mask"], config=config, **kw)
+
+    with pytest.raises(ValueError, match=f"{fn}: {name} must not require grad .* constants of the GRPO objective "
+                                         f".* pass {name}.detach()"):
+        call()
+    with torch.no_grad():
+        assert torch.isfinite(call().loss)
 
 
 def test_fused_logprobs_bad_input():
@@ -105,6 +176,15 @@ def test_fused_logprobs_bad_input():
         fused_logprobs(torch.randn(8), w, torch.zeros((), dtype=torch.long))
     with pytest.raises(TypeError, match="weight must be a torch.Tensor, got ndarray"):
         fused_logprobs(h, w.numpy(), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got np.float32"):
+        fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), temperature=np.float32(-0.5))
+
+
+def test_fused_logprobs_takes_numpy_scalars():
+    h, w, y = torch.randn(4, 8), torch.randn(13, 8), torch.arange(4)
+    want = fused_logprobs(h, w, y, temperature=0.75, softcap=20.0)
+    got = fused_logprobs(h, w, y, temperature=np.float32(0.75), softcap=np.float64(20.0))
+    assert torch.equal(got, want)
 
 
 def test_from_logps_needs_entropy_for_entropy_options():

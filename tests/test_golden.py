@@ -24,6 +24,10 @@ def test_seeded_run_matches_the_golden_metrics(tmp_path):
     train(small_config(tmp_path, **GOLDEN_OVERRIDES))
     steps = read_steps(tmp_path / "run" / "metrics.jsonl")
     assert len(steps) == len(golden["steps"])
+    # Not the tolerance rule: a recorded float32 training run has no float64 oracle (and a float64 run would sample
+    # other tokens). The same torch version on another CPU may round differently (vector width, thread count), and
+    # the difference grows over the steps; rel 1e-5 allows that and nothing else: any change of semantics moves
+    # the sampled tokens and the metrics by far more.
     for got, want in zip(steps, golden["steps"]):
         for key in GOLDEN_KEYS:
             assert got.get(key) == pytest.approx(want[key], rel=1e-5, abs=1e-6), (want["step"], key)

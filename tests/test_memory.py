@@ -112,17 +112,29 @@ def test_tracker_tags_the_kv_cache_of_a_rollout_exactly():
 def test_measured_decoder_bytes_are_the_saved_tensors_of_a_qwen2_layer():
     # A Qwen2 layer in float32 with SDPA keeps, per token, 6H + 4I + 2 q_dim + 2 kv_dim + heads + 2 floats for its
     # backward (the measurement; this count is what it came to, and pins it: a change in transformers' layer or in
-    # the tracker shows up here first). With a frozen base (LoRA) no weight gradient needs the MLP's inputs (H and
-    # I) or the two norms' normalised inputs (2H); each of the 4 adapters saves its [S, r] lora_A output. With
-    # activation checkpointing a layer keeps its input only, and the backward recomputes one whole layer.
-    config = bench_memory.Shape(layers=2, hidden=96, intermediate=200, heads=6, kv_heads=2, vocab=300).config()
-    H, I, q, kv, heads = 96, 200, 96, 32, 6
-    measure = functools.partial(calibrate_memory.measure_decoder, config, torch.float32)
-    full, lora, ckpt = measure(), measure(Training(lora_r=8)), measure(Training(checkpointing=True))
-    assert full.layer == Bytes(token=4 * (6 * H + 4 * I + 2 * q + 2 * kv + heads + 2))
-    assert lora.layer == Bytes(token=full.layer.token - 4 * (3 * H + I) + 4 * 4 * 8)
+    # the tracker shows up here first). With activation checkpointing a layer keeps its input only, and the backward
+    # recomputes one whole layer.
+    full, ckpt = _measure_decoder(), _measure_decoder(Training(checkpointing=True))
+    assert full.layer == Bytes(token=_FULL_LAYER_TOKEN)
     assert ckpt.layer == Bytes(token=4 * H)
     assert ckpt.backward.token > full.layer.token  # one layer's activations and the gradients in flight
+
+
+def test_measured_decoder_bytes_with_lora_drop_the_frozen_weights_inputs():
+    # With a frozen base (LoRA) no weight gradient needs the MLP's inputs (H and I) or the two norms' normalised
+    # inputs (2H); each of the 4 adapters saves its [S, r] lora_A output.
+    pytest.importorskip("peft")
+    lora = _measure_decoder(Training(lora_r=8))
+    assert lora.layer == Bytes(token=_FULL_LAYER_TOKEN - 4 * (3 * H + I) + 4 * 4 * 8)
+
+
+H, I, Q_DIM, KV_DIM, HEADS = 96, 200, 96, 32, 6
+_FULL_LAYER_TOKEN = 4 * (6 * H + 4 * I + 2 * Q_DIM + 2 * KV_DIM + HEADS + 2)
+
+
+def _measure_decoder(training=Training()):
+    config = bench_memory.Shape(layers=2, hidden=H, intermediate=I, heads=HEADS, kv_heads=2, vocab=300).config()
+    return calibrate_memory.measure_decoder(config, torch.float32, training)
 
 
 Bytes = projection.Bytes
@@ -165,6 +177,8 @@ def measured():
 
 @pytest.mark.parametrize("method, dtype, training", CASES, ids=[f"{m}-{d}-{t.mode}" for m, d, t in CASES])
 def test_projection_matches_a_tracked_step_within_five_percent(method, dtype, training, measured):
+    if training.lora_r:
+        pytest.importorskip("peft")
     spec = bench_memory.Shape(**PROJECTED)
     setup = bench_memory.setup_config(method, spec, torch.device("cpu"), getattr(torch, dtype), seed=0,
                                       training=training)
@@ -189,6 +203,7 @@ def test_projection_matches_a_tracked_step_within_five_percent(method, dtype, tr
 
 
 def test_lora_parameter_count_is_what_the_trainer_trains():
+    pytest.importorskip("peft")
     spec = bench_memory.Shape(**PROJECTED)
     policy = bench_memory.build_policy(spec.config(), torch.device("cpu"), torch.bfloat16, LORA)
     trained = [p for p in policy.parameters() if p.requires_grad]
@@ -288,3 +303,18 @@ def test_fit_reads_another_calibration_file(tmp_path, capsys):
                      str(path)]) == 0
     out = capsys.readouterr().out
     assert f"MEASURED (calibration {path}: another machine" in out and out.count("PROJECTED") == 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{}", "has no 'machine' entry (a calibration holds 'machine', 'date', 'lora_r', 'decoder', 'step')"),
+    ("[]", "must hold a JSON object, got list"),
+    ("{", "is not valid JSON"),
+    (None, "'lora_r' must be a JSON integer, got '16'"),
+])
+def test_fit_names_what_a_calibration_file_lacks(tmp_path, text, message):
+    if text is None:
+        text = json.dumps({**projection.load_calibration(), "lora_r": "16"})
+    path = tmp_path / "calibration.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"--calibration: {path}.*" + message.replace("(", r"\(").replace(")", r"\)")):
+        fit.main(["--model", "qwen2.5-0.5b", "--memory", "24GB", "--calibration", str(path)])

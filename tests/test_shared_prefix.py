@@ -327,6 +327,10 @@ def test_shared_and_unshared_training_runs_stay_together(tmp_path):
     for a, b in zip(on, off):
         assert a["reward"] == b["reward"]  # same samples: generation does not depend on the training forward
         assert a["forward_tokens"] < b["forward_tokens"] and a["prefix_saving"] > 2 and b["prefix_saving"] == 1.0
+        # Not the tolerance rule: two float32 training runs of 4 steps, whose updates feed back into the next
+        # step, have no float64 oracle (the trainer has no float64 mode); the forwards differ only in float32
+        # summation order, so the bound is a few ulps of each metric grown over 4 steps (a masking or position
+        # bug moves them by 1e-2 or more). The single-forward tests above compare with the rule.
         for key in ("loss", "kl", "entropy", "grad_norm", "clip_ratio_region"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     moved = max(float((p.detach() - start[n]).abs().max()) for n, p in run_off.model.named_parameters())

@@ -57,11 +57,29 @@ def calibration_path() -> Path:
     return Path(str(resources.files("grpo_fast.memory").joinpath("calibration.json")))
 
 
+CALIBRATION_KEYS = {"machine": str, "date": str, "lora_r": int, "decoder": dict, "step": dict}  # what fit reads
+
+
 def load_calibration(path=None) -> dict:
     path = Path(path) if path is not None else calibration_path()
     if not path.exists():
         raise FileNotFoundError(f"--calibration: {path} does not exist; make it with grpo-fast fit --calibrate")
-    return json.loads(path.read_text())
+    try:
+        calibration = json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"--calibration: {path} is not valid JSON ({e}); make it with grpo-fast fit --calibrate") \
+            from None
+    if not isinstance(calibration, dict):
+        raise ValueError(f"--calibration: {path} must hold a JSON object, got {type(calibration).__name__}")
+    for key, kind in CALIBRATION_KEYS.items():
+        if key not in calibration:
+            raise ValueError(f"--calibration: {path} has no {key!r} entry (a calibration holds "
+                             f"{', '.join(map(repr, CALIBRATION_KEYS))}); make it with grpo-fast fit --calibrate")
+        if not isinstance(calibration[key], kind) or isinstance(calibration[key], bool):
+            kind_name = {str: "string", int: "integer", dict: "object"}[kind]
+            raise ValueError(f"--calibration: {path}: {key!r} must be a JSON {kind_name}, "
+                             f"got {calibration[key]!r:.60}")
+    return calibration
 
 
 # --------------------------------------------------------------------------------------------------------------------
