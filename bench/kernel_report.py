@@ -150,7 +150,7 @@ def _advantage_launches():
         def run(dtype=dtype, n=n, scale=scale, zero_flat=zero_flat):
             x = _meta((n,), dtype)
             segment_normalize(x, _meta((n,), torch.int64), _meta((n // 4 + 1,), torch.int64), scale, 1e-4,
-                              divisor=_meta((), dtype) if scale == SCALE_GIVEN else None, zero_flat=zero_flat)
+                              divisor=_meta((2,), dtype) if scale == SCALE_GIVEN else None, zero_flat=zero_flat)
         yield f"advantages {dtype} n={n} scale={scale} zero_flat={zero_flat}", dtype, True, run
 
 

@@ -12,6 +12,10 @@ row's advantage ``(r - mean) / (std + eps)`` (SCALE_GROUP), ``r - mean`` (SCALE_
 NaN advantages become 0; with ZERO_FLAT rows of zero-spread groups get exactly 0. Traffic: the values are read four
 times and written once. Limits: any number of groups (grid axis 0) and any group size (looped). No float64 inside:
 it runs in the dtype of the values.
+
+Specialisations: one per value dtype (and pointer alignment). The scale mode and the zero-spread rule are runtime
+ints and BLOCK is fixed, so a new option or group size never compiles again; eps travels in ``params`` in the values'
+dtype, since a Python float reaches a kernel as fp32 on hardware (float64 rewards keep a float64 eps).
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ import torch
 import triton
 import triton.language as tl
 
+from grpo_fast.kernels.launch import launch
 from grpo_fast.outputs import AdvantageOutput
 
 SCALE_NONE, SCALE_GROUP, SCALE_GIVEN = 0, 1, 2
+BLOCK = 128  # rows per step of a group's loops; groups of any size loop
 
 
 @triton.jit
@@ -35,20 +41,19 @@ def _segment_block(x_ptr, order_ptr, i0, end, BLOCK: tl.constexpr):
     return rows, x, inb, inb & (x == x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SCALE", "ZERO_FLAT"])
 def _group_advantages_kernel(
     x_ptr,  # [N] values (NaN = no score)
     order_ptr,  # [N] int64 row indices sorted by group
     offsets_ptr,  # [G + 1] int64 start of each group in order
-    divisor_ptr,  # [2] the batch's std in its units and its scale (SCALE_GIVEN)
+    params_ptr,  # [3] in the values' dtype: the batch's std in its units and its scale (SCALE_GIVEN), eps
     adv_ptr,  # [N] out: advantages, in original row order
     mean_ptr,  # [G] out
     std_ptr,  # [G] out: unbiased std / scale
     scale_ptr,  # [G] out: the power-of-two scale the statistics were taken in
     flat_ptr,  # [G] out: int8 zero-spread flag
-    eps,
-    SCALE: tl.constexpr,
-    ZERO_FLAT: tl.constexpr,
+    SCALE,  # int: SCALE_NONE, SCALE_GROUP or SCALE_GIVEN
+    ZERO_FLAT,  # int 0/1
     BLOCK: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
@@ -85,14 +90,14 @@ def _group_advantages_kernel(
     tl.store(std_ptr + g, std)
     tl.store(scale_ptr + g, s)
     tl.store(flat_ptr + g, flat.to(tl.int8))
+    eps = tl.load(params_ptr + 2).to(dtype)
+    u = s
+    shift = mean
+    div = std + eps / s
     if SCALE == 2:  # z-scores in the batch's units u: (x / u - mean * (s / u)) / (batch std / u + eps / u)
-        u = tl.load(divisor_ptr + 1).to(dtype)
+        u = tl.load(params_ptr + 1).to(dtype)
         shift = mean * (s / u)
-        div = tl.load(divisor_ptr).to(dtype) + eps / u
-    else:
-        u = s
-        shift = mean
-        div = std + eps / s
+        div = tl.load(params_ptr).to(dtype) + eps / u
     for i0 in range(start, end, BLOCK):
         rows, x, inb, _ = _segment_block(x_ptr, order_ptr, i0, end, BLOCK)
         if SCALE == 0:
@@ -100,7 +105,7 @@ def _group_advantages_kernel(
         else:
             a = (x / u - shift) / div
         a = tl.where(a == a, a, 0.0)
-        if ZERO_FLAT:
+        if ZERO_FLAT != 0:
             a = tl.where(flat, 0.0, a)
         tl.store(adv_ptr + rows, a, mask=inb)
 
@@ -109,7 +114,6 @@ def segment_normalize(x, order, offsets, scale, eps, divisor=None, zero_flat=Tru
     """x ``[N]`` -> (advantages ``[N]``, mean ``[G]``, std ``[G]``, flat ``[G]`` bool, std / scale ``[G]``, scale
     ``[G]``) for groups given by the sorted ``order`` and ``offsets [G + 1]``; ``scale`` one of SCALE_*; ``divisor``
     a ``[2]`` tensor (std / scale, scale) for SCALE_GIVEN."""
-    n = x.shape[0]
     g = offsets.shape[0] - 1
     x = x.contiguous()
     adv = torch.empty_like(x)
@@ -117,11 +121,10 @@ def segment_normalize(x, order, offsets, scale, eps, divisor=None, zero_flat=Tru
     std_scaled = torch.empty_like(mean)
     group_scale = torch.empty_like(mean)
     flat = torch.empty(g, dtype=torch.int8, device=x.device)
-    block = min(1024, triton.next_power_of_2(max(1, min(n, 1024))))
-    _group_advantages_kernel[(g,)](
-        x, order, offsets, x if divisor is None else divisor.contiguous(), adv, mean, std_scaled, group_scale, flat,
-        eps, SCALE=scale, ZERO_FLAT=zero_flat, BLOCK=block,
-    )
+    given = divisor.to(x.dtype).reshape(2) if divisor is not None else torch.ones(2, dtype=x.dtype, device=x.device)
+    params = torch.cat([given, torch.full((1,), eps, dtype=x.dtype, device=x.device)])  # fills: no H2D copy
+    launch(_group_advantages_kernel, (g,), x, order, offsets, params, adv, mean, std_scaled, group_scale, flat,
+           int(scale), int(zero_flat), BLOCK=BLOCK, num_warps=4, num_stages=1)
     # the std itself is inf only where it exceeds the dtype's range; the advantages above never needed it
     return adv, mean, std_scaled * group_scale, flat.bool(), std_scaled, group_scale
 
