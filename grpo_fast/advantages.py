@@ -149,7 +149,7 @@ def group_advantages(
     if bool(torch.isinf(r).any()):
         raise ValueError(f"{fn}: rewards must be finite or NaN (no score), got inf in {checks.describe(rewards)}")
 
-    impl = resolve_impl(impl, rewards.device, fn)
+    impl = resolve_impl(impl, rewards.device, fn, rewards.dtype)
     if impl == "reference":
         return group_advantages_reference(rewards, group_ids=index, scale=scale, eps=eps, reward_weights=weights,
                                           aggregation=aggregation)

@@ -1,8 +1,9 @@
 """The one resolver that picks an implementation for every op (DESIGN.md §6).
 
 ``auto`` means ``triton`` for CUDA tensors when the Triton path is available, ``torch`` elsewhere; ``reference`` is
-only ever chosen explicitly. Two exceptions send CUDA tensors to the torch path under ``auto``: float64 (the kernels
-compute in float32), and float32 log-probs from hidden states unless the user allowed TF32 matmuls
+only ever chosen explicitly. Two exceptions send CUDA tensors to the torch path under ``auto``, both for the ops that
+multiply hidden states by the lm_head weight: float64 (those kernels compute in float32; the elementwise loss and
+advantage kernels run float64 as float64), and float32 unless the user allowed TF32 matmuls
 (``torch.backends.cuda.matmul.allow_tf32`` or ``torch.set_float32_matmul_precision("high")``): the kernel's fp32
 ``tl.dot`` runs on tensor cores only in TF32, so exact fp32 goes to cuBLAS through the chunked torch path, as the
 user's own fp32 matmuls would. The choice is logged once per (op, impl, device type) at debug level.
@@ -61,8 +62,8 @@ def auto_impl(device: torch.device, op: str, dtype: torch.dtype | None) -> tuple
         return "torch", f"{device.type} tensors"
     if not triton_available():
         return "torch", "triton is not installed"
-    if dtype == torch.float64:
-        return "torch", "float64 (the kernels compute in float32)"
+    if dtype == torch.float64 and op in MATMUL_OPS:
+        return "torch", "float64 (the log-prob kernels compute in float32)"
     if dtype == torch.float32 and op in MATMUL_OPS and not tf32_allowed():
         return "torch", "float32 without TF32 allowed: exact fp32 matmuls by cuBLAS"
     return "triton", "CUDA tensors"
@@ -75,7 +76,7 @@ def resolve_impl(impl: str, device: torch.device, op: str, dtype: torch.dtype | 
         raise ValueError(f"{op}: impl must be one of {', '.join(map(repr, IMPLS))}, got {impl!r}")
     if impl == "auto":
         impl = auto_impl(device, op, dtype)[0]
-    if impl == "triton" and dtype == torch.float64:
+    if impl == "triton" and dtype == torch.float64 and op in MATMUL_OPS:
         raise ValueError(f"{op}: impl='triton' computes in float32 and takes float32, bfloat16 or float16 inputs, "
                          "got float64; use impl='torch' (or 'auto') for float64")
     if impl == "triton":

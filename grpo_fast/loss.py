@@ -161,7 +161,7 @@ def grpo_loss_from_logps(
         )
     checks.check_finite(fn, "logps", logps, where=mask)
     checks.check_finite(fn, "entropy", entropy, where=mask)
-    impl = resolve_impl(impl, logps.device, fn)
+    impl = resolve_impl(impl, logps.device, fn, logps.dtype)
     compute_dtype = torch.float64 if logps.dtype == torch.float64 else torch.float32
     logps = logps.to(compute_dtype)
     entropy = None if entropy is None else entropy.to(compute_dtype)

@@ -35,15 +35,19 @@ def test_auto_sends_fp32_matmuls_to_cublas_unless_tf32_is_allowed(monkeypatch, s
     for dtype in (torch.bfloat16, torch.float16):
         assert resolve_impl("auto", CUDA, op, dtype) == "triton"
     assert resolve_impl("auto", CUDA, op, torch.float64) == "torch"
+    with pytest.raises(ValueError, match="float64"):
+        resolve_impl("triton", CUDA, op, torch.float64)
     assert resolve_impl("triton", CUDA, op, torch.float32) == "triton"  # asked for explicitly: the TF32 kernel
     monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
     assert resolve_impl("auto", CUDA, op, torch.float32) == "triton"
 
 
 def test_auto_keeps_elementwise_ops_on_triton_in_fp32(strict_fp32):
-    """The loss on given log-probs and the advantages have no matmul: fp32 stays on the kernels."""
-    assert resolve_impl("auto", CUDA, "grpo_loss_from_logps", torch.float32) == "triton"
-    assert resolve_impl("auto", CUDA, "group_advantages", torch.float32) == "triton"
+    """The loss on given log-probs and the advantages have no matmul: fp32 and fp64 stay on their kernels, which
+    compute in the inputs' dtype."""
+    for op in ("grpo_loss_from_logps", "group_advantages"):
+        for dtype in (torch.float32, torch.float64):
+            assert resolve_impl("auto", CUDA, op, dtype) == "triton"
     assert resolve_impl("auto", torch.device("cpu"), "grpo_loss", torch.bfloat16) == "torch"
 
 
