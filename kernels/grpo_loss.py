@@ -147,7 +147,6 @@ def _grpo_loss_kernel(
     kl_acc = tl.zeros((BLOCK_T,), dtype)
     low_acc = tl.zeros((BLOCK_T,), dtype)
     high_acc = tl.zeros((BLOCK_T,), dtype)
-    region_acc = tl.zeros((BLOCK_T,), dtype)
     gr_acc = tl.zeros((BLOCK_T,), dtype)
     for t0 in range(0, T, BLOCK_T):
         offs = t0 + tl.arange(0, BLOCK_T)
@@ -247,7 +246,6 @@ def _grpo_loss_kernel(
         tl.store(dlogp_ptr + base + offs, dlogp, mask=inb)
         low_acc += tl.where(m, is_low.to(dtype), 0.0)
         high_acc += tl.where(m, is_high.to(dtype), 0.0)
-        region_acc += tl.where(m, (is_low | is_high).to(dtype), 0.0)
 
     if seq:
         # pass 3: d r_b / d logp_t = r_b * m_t / len_b
@@ -261,7 +259,7 @@ def _grpo_loss_kernel(
 
     low_sum = tl.sum(low_acc, 0)
     high_sum = tl.sum(high_acc, 0)
-    region_sum = tl.sum(region_acc, 0)
+    region_sum = low_sum + high_sum  # a token is low (A < 0) or high (A > 0), never both
     if seq & (adv_per_token == 0):
         # one flag per sequence (TRL logs the mean over sequences, all-masked ones included)
         adv_row = tl.load(adv_ptr + row)
