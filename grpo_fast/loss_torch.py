@@ -34,10 +34,17 @@ class LossTerms(NamedTuple):
 def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_quantile: float) -> torch.Tensor:
     """Masked tokens whose (detached) entropy reaches the ``1 - q`` quantile of the masked entropies. ``[B, T]`` bool."""
     valid = mask.bool()
-    local = entropy[valid]
-    if local.numel() == 0:
-        return torch.zeros_like(valid)
-    threshold = torch.quantile(local.float(), 1.0 - top_entropy_quantile)  # TRL: a float32 threshold
+    # TRL: torch.quantile(entropy[valid].float(), 1 - q), a float32 threshold. Computed here without selecting the
+    # masked entries (a boolean index syncs with the host and has no shape on meta tensors), by the same steps as
+    # torch.quantile's linear interpolation over the sorted n masked values, so the threshold is bit-identical.
+    n = valid.sum()
+    ranked = torch.where(valid, entropy.float(), float("inf")).flatten().sort().values  # masked first, ascending
+    last = (n - 1).clamp(min=0)
+    rank = torch.full((), 1.0 - top_entropy_quantile, dtype=torch.float32, device=entropy.device) * last
+    below = rank.long()
+    at = lambda i: ranked.gather(0, i.reshape(1))  # noqa: E731  (ranked[i] would read i on the host)
+    threshold = at(below).lerp(at(rank.ceil().long().clamp(max=last)), rank - below)
+    threshold = torch.where(ranked.isnan().any(), float("nan"), threshold)  # torch.quantile: NaN in, NaN out
     return (torch.where(valid, entropy, 0.0) >= threshold) & valid
 
 

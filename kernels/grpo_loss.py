@@ -1,7 +1,7 @@
 """GRPO per-token loss, ``d loss / d logp`` and metric sums for every loss type, one program per sequence.
 
 Computes what ``grpo_fast.loss_torch.grpo_loss_terms`` computes (TRL 1.16 semantics, DESIGN.md §4): each program
-owns one row b of the ``[B, T]`` inputs and walks T in blocks, in up to three passes:
+owns one row b of the ``[B, T]`` inputs and walks T in BLOCK_T blocks, in up to three passes:
   1. the row's token count and, for sequence-level importance sampling / VESPO, the sums of log-ratios;
   2. per token: the ratio, the policy term, the KL, the weighted loss, ``d loss / d logp`` (direct part and
      ``d loss / d r``), and the metric flags; row partial sums go to ``row_out [B, 6]``;
@@ -9,67 +9,105 @@ owns one row b of the ``[B, T]`` inputs and walks T in blocks, in up to three pa
 The host sums ``row_out`` over B (deterministic: no atomics). Memory traffic: each ``[B, T]`` input is read once per
 pass (twice or three times for sequence level), ``dlogp`` written once (read-modify-written in pass 3).
 Limits: any B, T (the grid is B programs on axis 0); runs in float32, or float64 for float64 inputs.
+
+Specialisations. Each is a separate compile on the user's GPU (seconds) and in the static gate
+(``bench/kernel_report.py``), so nothing that only selects a formula is a constexpr: the loss type, the
+importance-sampling level, the normalisation and every optional input are runtime ints (uniform branches: the whole
+program takes the same side, and this kernel is memory-bound), Triton does not specialise them
+(``do_not_specialize``), and absent tensors are never read. BLOCK_T is fixed, so T only masks; T keeps Triton's own
+specialisation (divisible by 16: aligned row starts, vector loads; equal to 1: a constant). Per input dtype (float32,
+float64) the launcher therefore produces 3 specialisations: T % 16 == 0, T == 1, any other T (times 16-byte-aligned
+or unaligned pointers, which only a misaligned view brings; the launcher's own buffers are aligned).
+
+Precision. A Python float reaches a compiled kernel as an fp32 argument (the interpreter passes a double), so the
+hyper-parameters are ``tl.float64`` arguments and each is rounded to the compute dtype in the kernel, as PyTorch rounds
+a Python scalar to a tensor's dtype; SAPO's temperatures and VESPO's k and lambda are passed at the precision
+``torch.where`` gives them in the torch path and TRL (the default dtype, float32).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from grpo_fast.config import LossType
+from grpo_fast.kernels.launch import launch
 from grpo_fast.loss_torch import LossTerms, entropy_bonus, high_entropy_mask, loss_scale
 
-# LOSS_TYPE constants (grpo_fast.config.LossType order is irrelevant: the launcher maps by name)
+# loss_type codes (grpo_fast.config.LossType order is irrelevant: the launcher maps by name)
 CLIP, CISPO, SAPO, VESPO = 0, 1, 2, 3
-# NORM constants: how the row weight w_t = m_t * scale is formed
-NORM_ROW, NORM_GLOBAL = 0, 1  # 1 / (len_b * B)  |  inv_norm (a device scalar: bnpo, dr_grpo, luspo, dapo, ...)
 # columns of row_out
 ROW_LOSS, ROW_KL, ROW_LOW, ROW_HIGH, ROW_REGION, ROW_TOKENS = 0, 1, 2, 3, 4, 5
 ROW_COLS = 6
+LOG_1E8 = tl.constexpr(math.log(1e-8))  # VESPO's lower clamp of log-weights (TRL: log(1e-8))
+# One tile width for every T (a second one would double the specialisations). 1024 elements over 8 warps is 4 per
+# thread on NVIDIA (16-byte vector loads for fp32): compiled for sm_90a, 128 registers (fp32) / 177 (fp64) and no
+# spills, where 4 warps put fp64 at the 255-register cap with spills.
+BLOCK_T = 1024
+NUM_WARPS = 8
+SPECIALISATIONS_PER_DTYPE = 3  # T % 16 == 0, T == 1, any other T (see the header)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "loss_type", "seq_level", "norm_global", "has_old", "has_kl", "bias_kl",
+                               "adv_per_token", "has_ratio", "ratio_per_token", "has_ent_mask"])
 def _grpo_loss_kernel(
     logp_ptr,  # [B, T] current log-probs
-    old_ptr,  # [B, T] old log-probs (HAS_OLD)
-    ref_ptr,  # [B, T] reference log-probs (HAS_KL)
-    adv_ptr,  # [B] or [B, T] advantages (ADV_PER_TOKEN)
+    old_ptr,  # [B, T] old log-probs (has_old)
+    ref_ptr,  # [B, T] reference log-probs (has_kl)
+    adv_ptr,  # [B] or [B, T] advantages (adv_per_token)
     mask_ptr,  # [B, T] completion mask, uint8
-    ratio_ptr,  # [B, T] or [B, 1] sampling ratios (HAS_RATIO, RATIO_PER_TOKEN)
-    ent_mask_ptr,  # [B, T] uint8 top-entropy mask (HAS_ENT_MASK)
-    inv_norm_ptr,  # [] device scalar, 1 / normalizer (NORM == NORM_GLOBAL)
+    ratio_ptr,  # [B, T] or [B] sampling ratios (has_ratio, ratio_per_token)
+    ent_mask_ptr,  # [B, T] uint8 top-entropy mask (has_ent_mask)
+    inv_norm_ptr,  # [] device scalar, 1 / normalizer (norm_global)
     dlogp_ptr,  # [B, T] out: d loss / d logp
     row_out_ptr,  # [B, ROW_COLS] out: loss and metric partial sums per row
     T,
     B,
-    eps_low,
-    eps_high,
-    delta,
-    beta,
-    tau_pos,
-    tau_neg,
-    k_pos,
-    lam_pos,
-    k_neg,
-    lam_neg,
-    LOSS_TYPE: tl.constexpr,
-    NORM: tl.constexpr,
-    SEQ_LEVEL: tl.constexpr,
-    HAS_OLD: tl.constexpr,
-    HAS_KL: tl.constexpr,
-    BIAS_KL: tl.constexpr,
-    HAS_DELTA: tl.constexpr,
-    ADV_PER_TOKEN: tl.constexpr,
-    HAS_RATIO: tl.constexpr,
-    RATIO_PER_TOKEN: tl.constexpr,
-    HAS_ENT_MASK: tl.constexpr,
+    loss_type: tl.int32,  # 0 clip family, 1 cispo, 2 sapo, 3 vespo
+    seq_level: tl.int32,
+    norm_global: tl.int32,  # 0: w = m / (len_b * B); 1: w = m * inv_norm
+    has_old: tl.int32,
+    has_kl: tl.int32,
+    bias_kl: tl.int32,
+    adv_per_token: tl.int32,
+    has_ratio: tl.int32,
+    ratio_per_token: tl.int32,
+    has_ent_mask: tl.int32,
+    # hyper-parameters as float64 kernel arguments (a plain Python float would reach the GPU as fp32)
+    clip_low: tl.float64,  # 1 - epsilon_low
+    clip_high: tl.float64,  # 1 + epsilon_high
+    eps_high: tl.float64,
+    delta: tl.float64,  # +inf without delta
+    beta: tl.float64,
+    tau_pos: tl.float64,
+    tau_neg: tl.float64,
+    k_pos: tl.float64,
+    lam_pos: tl.float64,
+    k_neg: tl.float64,
+    lam_neg: tl.float64,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = row * T
     dtype = logp_ptr.dtype.element_ty
-    LOG_1E8: tl.constexpr = -18.420680743952367
+    log_1e8 = tl.full((), LOG_1E8, dtype)
+    # the hyper-parameters in the compute dtype (tl.full also takes the Python float the interpreter passes)
+    clip_low = tl.full((), clip_low, tl.float64).to(dtype)
+    clip_high = tl.full((), clip_high, tl.float64).to(dtype)
+    eps_high = tl.full((), eps_high, tl.float64).to(dtype)
+    delta = tl.full((), delta, tl.float64).to(dtype)
+    beta = tl.full((), beta, tl.float64).to(dtype)
+    tau_pos = tl.full((), tau_pos, tl.float64).to(dtype)
+    tau_neg = tl.full((), tau_neg, tl.float64).to(dtype)
+    k_pos = tl.full((), k_pos, tl.float64).to(dtype)
+    lam_pos = tl.full((), lam_pos, tl.float64).to(dtype)
+    k_neg = tl.full((), k_neg, tl.float64).to(dtype)
+    lam_neg = tl.full((), lam_neg, tl.float64).to(dtype)
+    seq = seq_level != 0
+    vespo = loss_type == 3
 
     # pass 1: token count, sum of log-ratios (sequence level), VESPO's clamped sums
     n_tok = tl.zeros((BLOCK_T,), dtype)
@@ -80,86 +118,76 @@ def _grpo_loss_kernel(
         inb = offs < T
         m = tl.load(mask_ptr + base + offs, mask=inb, other=0) != 0
         n_tok += m.to(dtype)
-        if SEQ_LEVEL or LOSS_TYPE == 3:
+        if seq | vespo:
             logp = tl.load(logp_ptr + base + offs, mask=m, other=0.0)
-            if HAS_OLD:
+            old = logp
+            if has_old != 0:
                 old = tl.load(old_ptr + base + offs, mask=m, other=0.0)
-            else:
-                old = logp
             lr = tl.where(m, logp - old, 0.0)
             lr_sum += lr
-            if LOSS_TYPE == 3:
+            if vespo:
                 vespo_sum += tl.minimum(tl.maximum(lr, -20.0), 20.0)
-                if HAS_RATIO:  # TRL sums log(sampling ratio) over all T positions
-                    if RATIO_PER_TOKEN:
-                        sr = tl.load(ratio_ptr + base + offs, mask=inb, other=1.0)
-                        vespo_sum += tl.where(inb, tl.minimum(tl.maximum(tl.log(sr), LOG_1E8), 20.0), 0.0)
+                if (has_ratio != 0) & (ratio_per_token != 0):  # TRL sums log(sampling ratio) over all T positions
+                    sr = tl.load(ratio_ptr + base + offs, mask=inb, other=1.0)
+                    vespo_sum += tl.where(inb, tl.minimum(tl.maximum(tl.log(sr), log_1e8), 20.0), 0.0)
     length = tl.sum(n_tok, 0)
     length_c = tl.maximum(length, 1.0)
-    if HAS_RATIO and LOSS_TYPE == 3 and not RATIO_PER_TOKEN:
-        sr_row = tl.load(ratio_ptr + row)
-        vespo_total = tl.sum(vespo_sum, 0) + tl.minimum(tl.maximum(tl.log(sr_row), LOG_1E8), 20.0)
+    vespo_total = tl.sum(vespo_sum, 0)
+    if vespo & (has_ratio != 0) & (ratio_per_token == 0):
+        vespo_total += tl.minimum(tl.maximum(tl.log(tl.load(ratio_ptr + row)), log_1e8), 20.0)
+    log_w = tl.minimum(tl.maximum(vespo_total, log_1e8), 20.0)
+    if norm_global != 0:
+        scale = tl.load(inv_norm_ptr)
     else:
-        vespo_total = tl.sum(vespo_sum, 0)
-    if NORM == 0:
         scale = 1.0 / (length_c * B)
-    else:
-        scale = tl.load(inv_norm_ptr).to(dtype)
-    if SEQ_LEVEL:
-        r_seq = tl.exp(tl.sum(lr_sum, 0) / length_c)
+    r_seq = tl.exp(tl.sum(lr_sum, 0) / length_c)
 
     # pass 2: per-token terms
     loss_acc = tl.zeros((BLOCK_T,), dtype)
     kl_acc = tl.zeros((BLOCK_T,), dtype)
     low_acc = tl.zeros((BLOCK_T,), dtype)
     high_acc = tl.zeros((BLOCK_T,), dtype)
-    region_acc = tl.zeros((BLOCK_T,), dtype)
     gr_acc = tl.zeros((BLOCK_T,), dtype)
     for t0 in range(0, T, BLOCK_T):
         offs = t0 + tl.arange(0, BLOCK_T)
         inb = offs < T
+        zero = tl.zeros((BLOCK_T,), dtype)
         m = tl.load(mask_ptr + base + offs, mask=inb, other=0) != 0
         logp = tl.load(logp_ptr + base + offs, mask=inb, other=0.0)
-        if HAS_OLD:
+        old = logp
+        if has_old != 0:
             old = tl.load(old_ptr + base + offs, mask=inb, other=0.0)
+        if adv_per_token != 0:
+            adv = tl.load(adv_ptr + base + offs, mask=inb, other=0.0)
         else:
-            old = logp
-        if ADV_PER_TOKEN:
-            adv = tl.load(adv_ptr + base + offs, mask=inb, other=0.0).to(dtype)
-        else:
-            adv = tl.zeros((BLOCK_T,), dtype) + tl.load(adv_ptr + row).to(dtype)
-        if SEQ_LEVEL:
-            r = tl.zeros((BLOCK_T,), dtype) + r_seq
+            adv = zero + tl.load(adv_ptr + row)
+        if seq:
+            r = zero + r_seq
         else:
             r = tl.exp(tl.where(m, logp - old, 0.0))
 
-        zero = tl.zeros((BLOCK_T,), dtype)
-        if LOSS_TYPE == 0:  # clip family: -min(r1 A, r2 A), autograd's tie rule (half to each side)
-            r2 = tl.minimum(tl.maximum(r, 1.0 - eps_low), 1.0 + eps_high)
-            dr2 = ((r >= 1.0 - eps_low) & (r <= 1.0 + eps_high)).to(dtype)
-            if HAS_DELTA:
-                r1 = tl.minimum(r, delta)
-                dr1 = (r <= delta).to(dtype)
-            else:
-                r1 = r
-                dr1 = zero + 1.0
+        if loss_type == 0:  # clip family: -min(r1 A, r2 A), autograd's tie rule (half to each side)
+            r2 = tl.minimum(tl.maximum(r, clip_low), clip_high)
+            dr2 = ((r >= clip_low) & (r <= clip_high)).to(dtype)
+            r1 = tl.where(r > delta, delta, r)  # min(r, delta); delta = +inf leaves r (NaN included) unchanged
+            dr1 = (r <= delta).to(dtype)
             a = r1 * adv
             b = r2 * adv
             take_a = tl.where(a < b, 1.0, tl.where(a == b, 0.5, 0.0)).to(dtype)
             policy = -tl.minimum(a, b)
             dp_dr = -(take_a * adv * dr1 + (1.0 - take_a) * adv * dr2)
             dp_dlogp = zero
-            is_low = (r1 < 1.0 - eps_low) & (adv < 0)  # TRL counts clipping on the delta-clamped ratio
-            is_high = (r1 > 1.0 + eps_high) & (adv > 0)
-        elif LOSS_TYPE == 1:  # cispo: -min(r, eps_high).detach() * A * logp
+            is_low = (r1 < clip_low) & (adv < 0)  # TRL counts clipping on the delta-clamped ratio
+            is_high = (r1 > clip_high) & (adv > 0)
+        elif loss_type == 1:  # cispo: -min(r, eps_high).detach() * A * logp
             c = tl.minimum(r, eps_high)
             policy = -c * adv * logp
             dp_dr = zero
             dp_dlogp = -c * adv
             is_low = zero != zero
             is_high = (r > eps_high) & (adv > 0)
-        elif LOSS_TYPE == 2:  # sapo: -sigmoid(tau (r - 1)) * 4 / tau * A
-            tau = tl.where(adv > 0, tau_pos, tau_neg).to(dtype)
+        elif loss_type == 2:  # sapo: -sigmoid(tau (r - 1)) * 4 / tau * A
+            tau = tl.where(adv > 0, tau_pos, tau_neg)
             sig = 1.0 / (1.0 + tl.exp(-tau * (r - 1.0)))
             policy = -sig * 4.0 / tau * adv
             dp_dr = -4.0 * adv * sig * (1.0 - sig)
@@ -167,10 +195,9 @@ def _grpo_loss_kernel(
             is_low = zero != zero
             is_high = is_low
         else:  # vespo: -phi(w) * A * logp, phi detached
-            log_w = tl.minimum(tl.maximum(vespo_total, LOG_1E8), 20.0)
             nonneg = adv >= 0
-            k = tl.where(nonneg, k_pos, k_neg).to(dtype)
-            lam = tl.maximum(tl.where(nonneg, lam_pos, lam_neg).to(dtype), 1e-4)
+            k = tl.where(nonneg, k_pos, k_neg)
+            lam = tl.where(nonneg, lam_pos, lam_neg)  # clamped at 1e-4 by the launcher
             phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
             phi = tl.where(phi == phi, phi, 0.0)  # NaN -> 0
             phi = tl.where(tl.abs(phi) < float("inf"), phi, 0.0)
@@ -181,25 +208,25 @@ def _grpo_loss_kernel(
             is_high = is_low
 
         mult = zero + 1.0  # entropy mask x sampling ratio scale the policy term only
-        if HAS_ENT_MASK:
+        if has_ent_mask != 0:
             em = tl.load(ent_mask_ptr + base + offs, mask=inb, other=0) != 0
             mult = mult * em.to(dtype)
-        if HAS_RATIO and LOSS_TYPE != 3:
-            if RATIO_PER_TOKEN:
-                sr = tl.load(ratio_ptr + base + offs, mask=inb, other=1.0).to(dtype)
+        if (has_ratio != 0) & (loss_type != 3):
+            if ratio_per_token != 0:
+                sr = tl.load(ratio_ptr + base + offs, mask=inb, other=1.0)
             else:
-                sr = zero + tl.load(ratio_ptr + row).to(dtype)
+                sr = zero + tl.load(ratio_ptr + row)
             mult = mult * sr
         loss_t = mult * policy
         dl_dr = mult * dp_dr
         dl_dlogp = mult * dp_dlogp
-        if HAS_KL:
+        if has_kl != 0:
             ref = tl.load(ref_ptr + base + offs, mask=inb, other=0.0)
             diff = tl.where(m, ref - logp, 0.0)
             e = tl.exp(diff)
             kl0 = e - diff - 1.0
             dkl0 = 1.0 - e
-            if BIAS_KL:
+            if bias_kl != 0:
                 kl = kl0 * r
                 dl_dr += beta * kl0
                 dl_dlogp += beta * dkl0 * r
@@ -212,16 +239,15 @@ def _grpo_loss_kernel(
         loss_acc += tl.where(m, scale * loss_t, 0.0)
         g_r = tl.where(m, scale * dl_dr, 0.0)
         dlogp = tl.where(m, scale * dl_dlogp, 0.0)
-        if SEQ_LEVEL:
+        if seq:
             gr_acc += g_r * r
         else:
             dlogp += g_r * r
         tl.store(dlogp_ptr + base + offs, dlogp, mask=inb)
         low_acc += tl.where(m, is_low.to(dtype), 0.0)
         high_acc += tl.where(m, is_high.to(dtype), 0.0)
-        region_acc += tl.where(m, (is_low | is_high).to(dtype), 0.0)
 
-    if SEQ_LEVEL:
+    if seq:
         # pass 3: d r_b / d logp_t = r_b * m_t / len_b
         coef = tl.sum(gr_acc, 0) / length_c
         for t0 in range(0, T, BLOCK_T):
@@ -233,17 +259,15 @@ def _grpo_loss_kernel(
 
     low_sum = tl.sum(low_acc, 0)
     high_sum = tl.sum(high_acc, 0)
-    region_sum = tl.sum(region_acc, 0)
-    if SEQ_LEVEL and not ADV_PER_TOKEN:
+    region_sum = low_sum + high_sum  # a token is low (A < 0) or high (A > 0), never both
+    if seq & (adv_per_token == 0):
         # one flag per sequence (TRL logs the mean over sequences, all-masked ones included)
-        adv_row = tl.load(adv_ptr + row).to(dtype)
-        if LOSS_TYPE == 0:
-            r_seen = r_seq
-            if HAS_DELTA:
-                r_seen = tl.minimum(r_seq, delta)
-            low_sum = ((r_seen < 1.0 - eps_low) & (adv_row < 0)).to(dtype)
-            high_sum = ((r_seen > 1.0 + eps_high) & (adv_row > 0)).to(dtype)
-        elif LOSS_TYPE == 1:
+        adv_row = tl.load(adv_ptr + row)
+        if loss_type == 0:
+            r_seen = tl.where(r_seq > delta, delta, r_seq)
+            low_sum = ((r_seen < clip_low) & (adv_row < 0)).to(dtype)
+            high_sum = ((r_seen > clip_high) & (adv_row > 0)).to(dtype)
+        elif loss_type == 1:
             low_sum = (adv_row != adv_row).to(dtype)
             high_sum = ((r_seq > eps_high) & (adv_row > 0)).to(dtype)
         region_sum = tl.maximum(low_sum, high_sum)
@@ -262,6 +286,13 @@ def _loss_type_code(loss_type) -> int:
     return {LossType.CISPO: CISPO, LossType.SAPO: SAPO, LossType.VESPO: VESPO}[loss_type]
 
 
+def _as_torch_where(value: float, low: float | None = None) -> float:
+    """``value`` as ``torch.where(cond, value, other)`` (then ``.clamp(min=low)``) holds it in the torch path and TRL:
+    a Python float becomes a tensor of the default dtype (float32). Host-only: no device is involved."""
+    t = torch.tensor(value)
+    return float(t if low is None else t.clamp(min=low))
+
+
 def grpo_loss_terms_triton(
     logp, advantages, mask, *, old_logps, ref_logps, sampling_ratio, num_items_in_batch, entropy, config
 ):
@@ -272,6 +303,8 @@ def grpo_loss_terms_triton(
     """
     B, T = logp.shape
     dtype = logp.dtype
+    if dtype not in (torch.float32, torch.float64):
+        raise TypeError(f"grpo_loss_terms_triton: logp must be float32 or float64 (the compute dtype); got {dtype}")
     logp = logp.contiguous()
     m = mask.to(dtype)
     cast = lambda x: None if x is None else x.to(dtype).contiguous()  # noqa: E731
@@ -281,33 +314,27 @@ def grpo_loss_terms_triton(
     ent_mask = None
     if config.top_entropy_quantile < 1.0:
         ent_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile)
-    row_norm = config.loss_type in (LossType.GRPO, LossType.SAPO)
-    inv_norm = m.new_ones(()) if row_norm else loss_scale(config, m, num_items_in_batch).reshape(())
+    norm_global = config.loss_type not in (LossType.GRPO, LossType.SAPO)
     dlogp = torch.empty_like(logp)
     row_out = torch.empty(B, ROW_COLS, dtype=dtype, device=logp.device)
+    inv_norm = loss_scale(config, m, num_items_in_batch).reshape(()) if norm_global else row_out  # else never read
     mask_u8 = mask.to(torch.uint8).contiguous()
-    dummy = logp  # stands in for absent optional pointers (never read: HAS_X is False)
-    _grpo_loss_kernel[(B,)](
-        logp, dummy if old is None else old, dummy if ref is None else ref, adv, mask_u8,
-        dummy if ratio is None else ratio,
+    launch(
+        _grpo_loss_kernel, (B,),
+        logp, logp if old is None else old, logp if ref is None else ref, adv, mask_u8,  # logp: an absent input
+        logp if ratio is None else ratio,
         mask_u8 if ent_mask is None else ent_mask.to(torch.uint8).contiguous(),
         inv_norm, dlogp, row_out,
         T, B,
-        config.epsilon_low, config.eps_high, config.delta if config.delta is not None else 0.0, config.beta,
-        config.sapo_temperature_pos, config.sapo_temperature_neg,
-        config.vespo_k_pos, config.vespo_lambda_pos, config.vespo_k_neg, config.vespo_lambda_neg,
-        LOSS_TYPE=_loss_type_code(config.loss_type),
-        NORM=NORM_ROW if row_norm else NORM_GLOBAL,
-        SEQ_LEVEL=config.sequence_level,
-        HAS_OLD=old is not None,
-        HAS_KL=config.beta != 0.0,
-        BIAS_KL=config.use_bias_correction_kl,
-        HAS_DELTA=config.delta is not None,
-        ADV_PER_TOKEN=adv_per_token,
-        HAS_RATIO=ratio is not None,
-        RATIO_PER_TOKEN=ratio is not None and ratio.shape[-1] == T and T != 1,
-        HAS_ENT_MASK=ent_mask is not None,
-        BLOCK_T=min(1024, triton.next_power_of_2(max(T, 16))),
+        _loss_type_code(config.loss_type), int(config.sequence_level), int(norm_global), int(old is not None),
+        int(config.beta != 0.0), int(config.use_bias_correction_kl), int(adv_per_token), int(ratio is not None),
+        int(ratio is not None and ratio.shape[-1] == T and T != 1), int(ent_mask is not None),
+        1.0 - config.epsilon_low, 1.0 + config.eps_high, config.eps_high,
+        math.inf if config.delta is None else config.delta, config.beta,
+        _as_torch_where(config.sapo_temperature_pos), _as_torch_where(config.sapo_temperature_neg),
+        _as_torch_where(config.vespo_k_pos), _as_torch_where(config.vespo_lambda_pos, 1e-4),
+        _as_torch_where(config.vespo_k_neg), _as_torch_where(config.vespo_lambda_neg, 1e-4),
+        BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=1,
     )
     loss = row_out[:, ROW_LOSS].sum()
     tokens = row_out[:, ROW_TOKENS].sum().clamp(min=1.0)

@@ -3,8 +3,11 @@ fp16 at small odd shapes; bf16 and large shapes on a GPU (``gpu`` marker, skippe
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from helpers import as_leaves, make_batch, to_float64
@@ -72,16 +75,45 @@ LOSS_KERNEL_GRID = [
 ]
 
 
+@pytest.fixture
+def hardware_scalars(monkeypatch):
+    """Interpreted kernels get their float arguments as a GPU would: Triton compiles a Python float argument as fp32
+    unless the parameter is annotated ``tl.float64`` (the interpreter would pass every one at double precision).
+    Yields the list of interpreted launches, so a test can check that the rounding was in force."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import KernelParam
+
+    launches = []
+    run = InterpretedFunction.run
+
+    def as_on_hardware(self, *args, grid, warmup, **kwargs):
+        params = inspect.signature(self.fn).parameters
+
+        def cvt(name, value):
+            kp = KernelParam(0, params[name], False, False)
+            if isinstance(value, float) and not kp.is_constexpr and kp.annotation_type != "fp64":
+                return float(np.float32(value))
+            return value
+
+        launches.append(self.fn.__name__)
+        args = tuple(cvt(name, value) for name, value in zip(params, args))
+        kwargs = {k: cvt(k, v) if k in params else v for k, v in kwargs.items()}
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", as_on_hardware)
+    yield launches
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type,level", list(itertools.product(list(LossType), ["token", "sequence"])))
-def test_loss_kernel_matches_torch_terms_over_the_option_grid(loss_type, level):
-    """The GRPO loss kernel equals the torch algorithm it implements (float64, to rounding) for every option."""
+def test_loss_kernel_matches_torch_terms_over_the_option_grid(loss_type, level, hardware_scalars):
+    """The GRPO loss kernel equals the torch algorithm it implements (float64, to rounding) for every option, with
+    its scalar arguments at the precision a GPU would receive them (``hardware_scalars``)."""
     from grpo_fast.kernels.grpo_loss import grpo_loss_terms_triton
     from test_loss import _config, _logps_batch
 
     cases = [c for c in LOSS_KERNEL_GRID if c[0] == loss_type and c[1] == level]
     for i, (_, _, (beta, bias_kl), delta, sampling, (q, coef), adv_tok, old_given) in enumerate(cases):
-        if i % 3:  # a third of the grid per type and level keeps the interpreter run short; all axes are covered
-            continue
         b = _on(_logps_batch(5, 9, torch.float64, seed=i, adv_per_token=adv_tok, sampling=sampling))
         config = _config(loss_type, level, beta, bias_kl, delta=delta, top_entropy_quantile=q, entropy_coef=coef)
         adv = b["advantages"] if adv_tok else b["advantages"][:, None]
@@ -94,6 +126,120 @@ def test_loss_kernel_matches_torch_terms_over_the_option_grid(loss_type, level):
             assert (x is None) == (y is None), name
             if x is not None:
                 assert max_abs_err(y, x) <= ATOL[torch.float64], f"{name} [{config}]"
+    assert len(hardware_scalars) == (len(cases) if DEVICE == "cpu" else 0)
+
+
+@functools.cache
+def _binder(kernel, target):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    return create_function_from_signature(jit.signature, jit.params, make_backend(GPUTarget(*target)))
+
+
+def _specialisation(launch, target=("cuda", 90, 32)) -> tuple:
+    """What Triton compiles a launch as (``JITFunction.run``'s binder): argument types, divisibility and constant
+    specialisations, constexprs, warps and stages."""
+    _, spec, _ = _binder(launch.kernel, target)(*launch.args, **launch.constexprs, num_warps=launch.num_warps,
+                                                num_stages=launch.num_stages, debug=False)
+    return tuple(spec), launch.num_warps, launch.num_stages
+
+
+def test_loss_kernel_specialisations_stay_few():
+    """Over the whole option grid, both dtypes and T in {1, 9, 16, 123, 1024}, the launcher records one launch per call
+    on meta tensors (nothing runs, nothing syncs) and Triton would compile exactly the number of variants the kernel
+    module states (options are runtime values, BLOCK_T is fixed): the count cannot grow, nor the statement go stale."""
+    from grpo_fast.kernels import grpo_loss as kernel_module
+    from grpo_fast.kernels.launch import Target, capture
+    from test_loss import _config
+
+    seen: dict[torch.dtype, set] = {torch.float32: set(), torch.float64: set()}
+    B = 3
+    # every option at T=9 (the dtype alternating: options and dtype are independent arguments); every
+    # T-specialisation (1, divisible by 16, other) in both dtypes at a few options
+    runs = [((torch.float32, torch.float64)[i % 2], 9, case) for i, case in enumerate(LOSS_KERNEL_GRID)]
+    runs += [(dtype, T, case) for dtype in seen for T in (1, 16, 123, 1024) for case in LOSS_KERNEL_GRID[::97]]
+    for i, (dtype, T, (lt, level, (beta, bias_kl), delta, sampling, (q, coef), adv_tok, old_given)) in enumerate(runs):
+        meta = lambda *shape: torch.empty(shape, dtype=dtype, device="meta")  # noqa: E731
+        config = _config(lt, level, beta, bias_kl, delta=delta, top_entropy_quantile=q, entropy_coef=coef)
+        ratio = None if sampling is None else meta(B, T if sampling == "token" else 1)
+        with capture(Target("cuda", 90, 32)) as launches:
+            kernel_module.grpo_loss_terms_triton(
+                meta(B, T), meta(B, T) if adv_tok else meta(B, 1), torch.ones(B, T, dtype=torch.bool, device="meta"),
+                old_logps=meta(B, T) if old_given else None, ref_logps=meta(B, T), sampling_ratio=ratio,
+                num_items_in_batch=None if i % 2 else torch.ones((), dtype=dtype, device="meta"),
+                entropy=meta(B, T), config=config)
+        assert [launch.kernel for launch in launches] == [kernel_module._grpo_loss_kernel]
+        seen[dtype].add(_specialisation(launches[0]))
+    for dtype, specs in seen.items():
+        assert len(specs) == kernel_module.SPECIALISATIONS_PER_DTYPE, (dtype, specs)
+
+
+# A dozen representative option combinations for the GPU (the whole grid runs under the interpreter): every loss
+# type, both levels, KL with and without bias correction, delta, both sampling-ratio shapes, the entropy mask and
+# bonus, per-token advantages, absent old log-probs and a token denominator.
+# (loss_type, level, beta, bias_kl, delta, sampling, (top_entropy_quantile, entropy_coef), adv_per_token, old, nitems)
+GPU_LOSS_CASES = [
+    ("grpo", "token", 0.04, False, None, None, (1.0, 0.0), False, True, None),
+    ("grpo", "sequence", 0.04, True, None, "sequence", (1.0, 0.0), False, True, None),
+    ("dapo", "token", 0.0, False, 1.05, "token", (0.3, 0.01), False, True, 1234),
+    ("dapo", "sequence", 0.04, False, None, "token", (1.0, 0.0), True, True, None),
+    ("bnpo", "token", 0.04, True, 1.5, None, (1.0, 0.01), True, False, None),
+    ("dr_grpo", "token", 0.0, False, None, "sequence", (0.5, 0.0), False, True, None),
+    ("luspo", "sequence", 0.04, False, None, None, (1.0, 0.0), False, True, None),
+    ("cispo", "token", 0.04, False, None, "token", (1.0, 0.0), False, True, None),
+    ("cispo", "sequence", 0.0, False, None, None, (0.3, 0.01), False, True, None),
+    ("sapo", "token", 0.04, True, None, "token", (1.0, 0.0), True, True, None),
+    ("vespo", "token", 0.0, False, None, "token", (1.0, 0.0), False, True, None),
+    ("vespo", "sequence", 0.04, False, None, "sequence", (1.0, 0.01), False, False, None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", GPU_LOSS_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_loss_kernel_option_grid_on_gpu(case, dtype):
+    """grpo_loss_from_logps on CUDA through the loss kernel (T spans several BLOCK_T tiles): loss, metrics,
+    d logps and d entropy against the float64 reference under the rule."""
+    from test_loss import _config, _logps_batch, _run_from_logps
+
+    lt, level, beta, bias_kl, delta, sampling, (q, coef), adv_tok, old_given, nitems = case
+    config = _config(lt, level, beta, bias_kl, delta=delta, top_entropy_quantile=q, entropy_coef=coef)
+    batch = _logps_batch(6, 2 * 1024 + 37, torch.float64, seed=11, adv_per_token=adv_tok, sampling=sampling)
+
+    def run(impl, dtype_):
+        b = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        b = {k: v.to(dtype_) if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in b.items()}
+        return _run_from_logps(b, config, impl, 0.37, old_given, nitems)
+
+    out, g, ge = run("triton", dtype)
+    pt, g_pt, ge_pt = run("reference", dtype)
+    ref, g_ref, ge_ref = run("reference", torch.float64)
+    assert_close_rule(out.loss, pt.loss, ref.loss, dtype, "loss")
+    for name in METRICS[:-1]:
+        assert_close_rule(getattr(out, name), getattr(pt, name), getattr(ref, name), dtype, name)
+    assert_close_rule(g, g_pt, g_ref, dtype, "d logps")
+    assert_close_rule(ge, ge_pt, ge_ref, dtype, "d entropy")
+
+
+def test_high_entropy_mask_equals_the_quantile_of_the_selected_entropies():
+    """The launcher's top-entropy mask (computed without a boolean index, so it runs on meta tensors and without a
+    host sync) equals TRL's ``entropy >= torch.quantile(entropy[mask].float(), 1 - q)`` bit for bit, ties included."""
+    from grpo_fast.loss_torch import high_entropy_mask
+
+    gen = torch.Generator().manual_seed(7)
+    for i in range(200):
+        B, T = torch.randint(1, 6, (2,), generator=gen).tolist()
+        entropy = torch.rand(B, T, generator=gen, dtype=torch.float64)
+        if i % 2:
+            entropy = (entropy * 4).round() / 4  # ties at the threshold
+        mask = torch.rand(B, T, generator=gen) < (0.0, 0.4, 1.0)[i % 3]
+        q = (0.5, 0.2, 0.9, 1e-3)[i % 4]
+        valid = entropy[mask].float()
+        want = (entropy >= torch.quantile(valid, 1 - q)) & mask if valid.numel() else torch.zeros_like(mask)
+        assert torch.equal(high_entropy_mask(entropy.to(DEVICE), mask.to(DEVICE), q).cpu(), want), (i, q)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
