@@ -100,7 +100,11 @@ def loss_scale(config: GRPOLossConfig, m: torch.Tensor, num_items_in_batch) -> t
         return torch.full((), 1.0 / B, dtype=m.dtype, device=m.device)
     if num_items_in_batch is None:  # DAPO, CISPO, VESPO
         return 1.0 / m.sum().clamp(min=1.0)
-    return 1.0 / torch.as_tensor(num_items_in_batch, dtype=m.dtype, device=m.device).clamp(min=1.0)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        count = num_items_in_batch.to(dtype=m.dtype, device=m.device).reshape(())
+    else:  # a fill kernel, not a host-to-device copy (which CUDA-graph capture refuses)
+        count = torch.full((), float(num_items_in_batch), dtype=m.dtype, device=m.device)
+    return 1.0 / count.clamp(min=1.0)
 
 
 def entropy_bonus(entropy, m, ent_mask, coef):
@@ -225,8 +229,10 @@ def loss_from_logps_torch(
     (``impl`` "torch": ``grpo_loss_terms``; "triton": its kernel twin)."""
     from grpo_fast.ops import loss_terms
 
-    if num_items_in_batch is not None:
-        num_items_in_batch = torch.as_tensor(num_items_in_batch, dtype=logps.dtype, device=logps.device)
+    if isinstance(num_items_in_batch, torch.Tensor):
+        num_items_in_batch = num_items_in_batch.to(dtype=logps.dtype, device=logps.device)
+    elif num_items_in_batch is not None:  # a fill, not a host-to-device copy (CUDA-graph capture refuses those)
+        num_items_in_batch = torch.full((), float(num_items_in_batch), dtype=logps.dtype, device=logps.device)
     loss, _, _, metrics = loss_terms(logps, entropy, advantages, mask, old_logps, ref_logps, sampling_ratio,
                                      num_items_in_batch, config.to_json(), impl)
     return (loss, *metrics.unbind(0))

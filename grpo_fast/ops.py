@@ -5,10 +5,12 @@
 "triton"). ``grpo_fast::loss_terms``: the GRPO loss, ``d loss / d logp``, ``d loss / d entropy`` and the metrics
 (NaN where undefined) in one call. Absent optional outputs are empty tensors (custom ops return tensors only).
 
-CUDA graphs. ``logprobs_bwd`` finds the rows with a non-zero upstream gradient (``nonzero``, a host sync) and
-``loss_terms`` selects the masked entropies for the top-entropy quantile (boolean indexing); both are tagged
-``torch.Tag.cudagraph_unsafe``, so ``torch.compile(mode="reduce-overhead")`` runs them outside the captured graphs
-(Inductor partitions around them) instead of failing at capture. ``logprobs_fwd`` has no host sync.
+CUDA graphs. ``logprobs_bwd`` finds the rows with a non-zero upstream gradient (``nonzero``, a host sync): it is
+tagged ``torch.Tag.cudagraph_unsafe``, so ``torch.compile(mode="reduce-overhead")`` runs it outside the captured
+graphs (Inductor partitions around it) instead of failing at capture. ``loss_terms`` has no host sync or host-to-device
+copy left that we know of (the top-entropy quantile is taken without a boolean index, scalars are made by fills), but
+no GPU has captured it yet, so it keeps the tag until ``tests/test_gpu_ready.py``'s CUDA capture test has passed on
+one. ``logprobs_fwd`` has no host sync and no tag.
 """
 
 from __future__ import annotations

@@ -211,7 +211,7 @@ def test_resolver(caplog, monkeypatch):
     assert resolve_impl("triton", cpu, "op") == "triton"  # the interpreter runs the kernels on CPU
     assert resolve_impl("auto", cpu, "op") == "torch"  # but auto never picks it there
     with pytest.raises(ValueError, match="impl='triton' computes in float32 .* got float64"):
-        resolve_impl("triton", cpu, "op", torch.float64)
+        resolve_impl("triton", cpu, "fused_logprobs", torch.float64)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match=r"impl='triton' needs CUDA tensors \(got device cpu\); set TRITON_INTERPRET=1"):
         resolve_impl("triton", cpu, "op")

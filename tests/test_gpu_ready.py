@@ -177,3 +177,29 @@ def test_logprob_kernels_with_scalars_rounded_as_hardware_passes_them(monkeypatc
     pt, ref = run("reference", dtype), run("reference", torch.float64)
     for name, a, b, c in zip(("logps", "entropy", "d hidden", "d weight", "d bias"), out, pt, ref):
         assert_close_rule(a, b, c, dtype, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
+def test_loss_terms_capture_in_a_cuda_graph(loss_type):
+    """The loss op on given log-probs captures in a CUDA graph and replays to the eager result (no host sync, no
+    host-to-device copy inside): once this has passed on a GPU, loss_terms can drop its cudagraph_unsafe tag."""
+    from grpo_fast import grpo_loss_from_logps
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, T = 4, 37
+    logps = -torch.rand(B, T, device="cuda", generator=gen)
+    config = GRPOLossConfig(loss_type=loss_type, beta=0.04, top_entropy_quantile=0.5)
+    old, ref, ent = logps + 0.01, logps - 0.02, torch.rand(B, T, device="cuda", generator=gen)
+    adv = torch.randn(B, device="cuda", generator=gen)
+    mask = torch.rand(B, T, device="cuda", generator=gen) > 0.2
+    want = grpo_loss_from_logps(logps, adv, mask, old_logps=old, ref_logps=ref, entropy=ent, config=config).loss
+    args = (logps, ent, adv.unsqueeze(1), mask, old, ref, None, None, config.to_json(), "triton")
+    torch.ops.grpo_fast.loss_terms(*args)  # compile the kernel before capture
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph):
+        got = torch.ops.grpo_fast.loss_terms(*args)[0]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(got, want)

@@ -99,6 +99,16 @@ def test_weight_offsets_are_64_bit_in_the_compiled_code(report):
     assert rows and all(r["offsets_64bit"] == "1" for r in rows), {r["offsets_64bit"] for r in rows}
 
 
+def test_float64_kernels_take_their_scalars_in_float64(report):
+    """On hardware a Python float reaches an fp32 parameter rounded to fp32 (the interpreter passes a double): the
+    float64 loss and advantage kernels take every scalar as fp64 or in a tensor."""
+    rows = [r for r in report["rows"] if r["dtype"] == "float64"]
+    assert {r["kernel"].split(":")[1] for r in rows} == {"_grpo_loss_kernel", "_group_advantages_kernel"}
+    assert all(r["fp32_scalars"] == "" for r in rows), {r["kernel"]: r["fp32_scalars"] for r in rows}
+    fp32_loss = [r for r in report["rows"] if r["dtype"] == "float32" and "grpo_loss" in r["kernel"]]
+    assert fp32_loss and all(r["fp32_scalars"] == "" for r in fp32_loss)  # fp64 hyper-parameters, rounded inside
+
+
 def test_recompiled_rows_match_the_csv(report):
     """A sample of rows compiled afresh in this run: registers, spills, shared memory and tensor cores as the CSV
     says (the CSV is a cache, not a claim)."""
