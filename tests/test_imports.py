@@ -1,5 +1,5 @@
-"""The package's imports only go down: each module imports its own layer and the layers below it, and no modules
-import each other in a circle. Checked statically (``ast``), function-level (lazy) imports included, so a circle
+"""The package's imports only go down: each module imports its own layer and the layers below it, no modules import
+each other in a circle, and none imports bench/ or tests/. Checked statically (``ast``), function-level (lazy) imports included, so a circle
 hidden behind a lazy import, which Python tolerates until the wrong module is imported first, still fails here."""
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def _module_files() -> dict[str, Path]:
     return files
 
 
-def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
-    """The package modules ``name`` imports anywhere in its file (module level, in functions, under ``if``)."""
+def _imported_names(name: str, path: Path, modules: set[str]) -> set[str]:
+    """Every module name ``name`` imports anywhere in its file (module level, in functions, under ``if``); for
+    ``from X import Y`` that is ``X.Y`` where that is a module of the package, else ``X``."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
@@ -55,7 +56,12 @@ def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:  # `from grpo_fast import checks` imports the module grpo_fast.checks
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
-    return {m for m in found if m in modules and m != name}
+    return found
+
+
+def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The package modules ``name`` imports."""
+    return {m for m in _imported_names(name, path, modules) if m in modules and m != name}
 
 
 def _layer(name: str) -> int:
@@ -77,6 +83,14 @@ def _graph() -> dict[str, set[str]]:
 def test_every_module_has_a_layer():
     for name in _graph():
         _layer(name)
+
+
+def test_the_package_never_imports_the_benchmarks_or_the_tests():
+    # bench/ is not installed: the commands that need it load it from a source checkout (grpo_fast.memory.source_module)
+    files = _module_files()
+    found = [f"{name} imports {m}" for name, path in sorted(files.items())
+             for m in sorted(_imported_names(name, path, set(files))) if m.split(".")[0] in ("bench", "tests")]
+    assert not found, "\n".join(found)
 
 
 def test_no_module_imports_a_layer_above_its_own():
@@ -140,6 +154,8 @@ def test_the_cycle_finder_finds_circles(source, circle):
 def test_lazy_and_from_package_imports_are_seen(tmp_path):
     # a function-level import of a module above is what both removed circles looked like
     path = tmp_path / "mod.py"
-    path.write_text("import os\nfrom grpo_fast import checks\n\ndef f():\n    from grpo_fast.cli import main\n")
+    path.write_text("import os\nfrom grpo_fast import checks\n\ndef f():\n    from grpo_fast.cli import main\n"
+                    "    import bench.harness\n")
     modules = {"grpo_fast", "grpo_fast.checks", "grpo_fast.cli"}
     assert _imports("grpo_fast.mod", path, modules) == {"grpo_fast.checks", "grpo_fast.cli"}
+    assert "bench.harness" in _imported_names("grpo_fast.mod", path, modules)
