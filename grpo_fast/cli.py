@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import difflib
-import importlib
 import logging
 import os
 import shlex
@@ -129,17 +128,6 @@ FIT_DESCRIPTION = ("the largest group size x completion length that fits a GPU, 
                    "LoRA and activation checkpointing (--help for more)")
 
 
-def source_module(name: str, command: str):
-    """``bench.<name>`` from the source checkout next to this package (the benchmarks are not installed)."""
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "bench" / "harness.py").exists():
-        raise ImportError(f"grpo-fast {command} runs from a source checkout: {root / 'bench'} is missing (pip installs "
-                          "only the package); clone the repository and install it with pip install -e .")
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module(f"bench.{name}")
-
-
 def _parsed_elsewhere(argv: list[str]) -> int | None:
     """``grpo-fast fit ...`` (grpo_fast.memory.fit) and ``grpo-fast bench memory ...`` (bench/bench_memory.py, from
     a source checkout): handed to those modules' own parsers (their --help is the full one); None for every other
@@ -155,6 +143,8 @@ def _parsed_elsewhere(argv: list[str]) -> int | None:
             from grpo_fast.memory import fit
 
             return fit.main(rest, prog="grpo-fast fit")
+        from grpo_fast.memory import source_module
+
         mod = source_module("bench_memory", command)
         return mod.main(rest, prog=f"grpo-fast {command}", command=mod.cli_command(rest))
     except _INPUT_ERRORS as e:

@@ -60,6 +60,23 @@ def logprobs_and_entropy(hidden, weight, target_ids, bias, temperature, softcap,
     return logps.reshape(lead), None if entropy is None else entropy.reshape(lead)
 
 
+def chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, bias: torch.Tensor | None,
+    params: LogprobParams,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The "torch" path, unchecked: per-token ``log_softmax(z)[y]`` and entropy without materialising ``z``, through
+    the custom op around ``grpo_fast.logprobs_torch``'s chunked forward and backward; equals ``logprobs_reference``.
+
+    hidden: ``[N, H]``; weight: ``[V, H]``; target_ids: ``[N]`` int64 in ``[0, V)``; bias: ``[V]`` or None.
+    Returns ``(logps [N], entropy [N] or None)``, float32 (float64 for float64 inputs), differentiable w.r.t. hidden,
+    weight and bias. Inputs are validated by the caller.
+    """
+    assert hidden.dim() == 2 and weight.dim() == 2, "hidden [N, H], weight [V, H]"
+    assert hidden.shape[1] == weight.shape[1], "hidden and weight disagree on H"
+    assert target_ids.shape == hidden.shape[:1], "target_ids [N]"
+    return logprobs_op(hidden, weight, target_ids, bias, params, impl="torch")
+
+
 def fused_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -45,7 +45,8 @@ _MIN_CHUNK = 128
 
 @dataclass(frozen=True)
 class LogprobParams:
-    """Options of :func:`chunked_logprobs`. ``None`` chunk sizes are chosen from a temporaries budget."""
+    """Options of the chunked log-prob op (``grpo_fast.logprobs.chunked_logprobs``). ``None`` chunk sizes are chosen
+    from a temporaries budget."""
 
     temperature: float = 1.0
     softcap: float | None = None
@@ -269,20 +270,3 @@ def _backward(ctx, g: Tensor | None, ge: Tensor | None, tile_grad=torch_tile_gra
     grad_h = None if dh is None else (dh if same else dh.to(dtype))
     grad_b = None if db is None else db.to(bias.dtype)
     return grad_h, gw, None, grad_b, None
-
-
-def chunked_logprobs(
-    hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: LogprobParams
-) -> tuple[Tensor, Tensor | None]:
-    """Per-token ``log_softmax(z)[y]`` and entropy without materialising ``z``; equals ``logprobs_reference``.
-
-    hidden: ``[N, H]``; weight: ``[V, H]``; target_ids: ``[N]`` int64 in ``[0, V)``; bias: ``[V]`` or None.
-    Returns ``(logps [N], entropy [N] or None)``, float32 (float64 for float64 inputs), differentiable w.r.t. hidden,
-    weight and bias. Inputs are validated by the caller.
-    """
-    assert hidden.dim() == 2 and weight.dim() == 2, "hidden [N, H], weight [V, H]"
-    assert hidden.shape[1] == weight.shape[1], "hidden and weight disagree on H"
-    assert target_ids.shape == hidden.shape[:1], "target_ids [N]"
-    from grpo_fast.ops import logprobs_op  # the custom op around _forward / _backward (torch.compile-traceable)
-
-    return logprobs_op(hidden, weight, target_ids, bias, params, impl="torch")

@@ -9,7 +9,7 @@ from grpo_fast import checks
 from grpo_fast.config import GRPOLossConfig, LossType
 from grpo_fast.dispatch import resolve_impl
 from grpo_fast.logprobs import logprobs_and_entropy, validate_logprob_inputs
-from grpo_fast.loss_torch import loss_from_logps_torch
+from grpo_fast.ops import loss_terms
 from grpo_fast.outputs import LossOutput
 from grpo_fast.reference import grpo_loss_reference, loss_from_logps_reference
 
@@ -65,9 +65,17 @@ def _to_output(loss, logps, metrics, config: GRPOLossConfig, has_entropy: bool) 
 def _loss_from_logps(impl, logps, advantages, mask, entropy, kw, config):
     if impl == "reference":
         return loss_from_logps_reference(logps, advantages, mask, entropy=entropy, config=config, **kw)
+    # "torch" / "triton": the grpo_fast::loss_terms custom op (grpo_loss_terms or its kernel twin), differentiable
+    # w.r.t. logps and entropy; metrics NaN where undefined
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
-    loss, *metrics = loss_from_logps_torch(logps, adv, mask, entropy=entropy, config=config, impl=impl, **kw)
-    return _to_output(loss, logps, metrics, config, entropy is not None)
+    n = kw["num_items_in_batch"]
+    if isinstance(n, torch.Tensor):
+        n = n.to(dtype=logps.dtype, device=logps.device)
+    elif n is not None:  # a fill, not a host-to-device copy (CUDA-graph capture refuses those)
+        n = torch.full((), float(n), dtype=logps.dtype, device=logps.device)
+    loss, _, _, metrics = loss_terms(logps, entropy, adv, mask, kw["old_logps"], kw["ref_logps"], kw["sampling_ratio"],
+                                     n, config.to_json(), impl)
+    return _to_output(loss, logps, metrics.unbind(0), config, entropy is not None)
 
 
 def grpo_loss(

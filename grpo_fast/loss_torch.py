@@ -219,20 +219,3 @@ def grpo_loss_terms(
         high,
         region,
     )
-
-
-def loss_from_logps_torch(
-    logps, advantages, mask, *, old_logps, ref_logps, sampling_ratio, num_items_in_batch, entropy, config, impl="torch"
-):
-    """``(loss, kl, entropy, clip_ratio_low, clip_ratio_high, clip_ratio_region)``: the scalar loss, differentiable
-    w.r.t. logps and entropy, and the metrics (NaN where undefined), through the ``grpo_fast::loss_terms`` custom op
-    (``impl`` "torch": ``grpo_loss_terms``; "triton": its kernel twin)."""
-    from grpo_fast.ops import loss_terms
-
-    if isinstance(num_items_in_batch, torch.Tensor):
-        num_items_in_batch = num_items_in_batch.to(dtype=logps.dtype, device=logps.device)
-    elif num_items_in_batch is not None:  # a fill, not a host-to-device copy (CUDA-graph capture refuses those)
-        num_items_in_batch = torch.full((), float(num_items_in_batch), dtype=logps.dtype, device=logps.device)
-    loss, _, _, metrics = loss_terms(logps, entropy, advantages, mask, old_logps, ref_logps, sampling_ratio,
-                                     num_items_in_batch, config.to_json(), impl)
-    return (loss, *metrics.unbind(0))

@@ -11,7 +11,8 @@ import textwrap
 import pytest
 import torch
 
-from grpo_fast.logprobs_torch import LogprobParams, chunked_logprobs
+from grpo_fast.logprobs import chunked_logprobs
+from grpo_fast.logprobs_torch import LogprobParams
 from grpo_fast.reference import logprobs_reference
 from grpo_fast.testing import assert_close_rule
 
@@ -270,7 +271,8 @@ def test_no_grad_forward_is_the_same_computation():
 _PEAK_SCRIPT = textwrap.dedent(
     """
     import json, re, resource, sys, torch
-    from grpo_fast.logprobs_torch import LogprobParams, chunked_logprobs
+    from grpo_fast.logprobs import chunked_logprobs
+    from grpo_fast.logprobs_torch import LogprobParams
 
     n, v, h, dtype = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4])
 

@@ -182,7 +182,7 @@ def trainings_of(args) -> tuple[Training, ...]:
 
 
 def calibrate(args) -> int:
-    from grpo_fast.cli import source_module
+    from grpo_fast.memory import source_module
 
     bench = source_module("calibrate_memory", "fit --calibrate")
     torch.set_num_threads(1)
