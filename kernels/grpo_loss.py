@@ -43,10 +43,11 @@ CLIP, CISPO, SAPO, VESPO = 0, 1, 2, 3
 ROW_LOSS, ROW_KL, ROW_LOW, ROW_HIGH, ROW_REGION, ROW_TOKENS = 0, 1, 2, 3, 4, 5
 ROW_COLS = 6
 LOG_1E8 = tl.constexpr(math.log(1e-8))  # VESPO's lower clamp of log-weights (TRL: log(1e-8))
-# One tile width for every T (a second one would double the specialisations). 1024 elements over 8 warps is 4 per
-# thread on NVIDIA (16-byte vector loads for fp32): compiled for sm_90a, 128 registers (fp32) / 177 (fp64) and no
-# spills, where 4 warps put fp64 at the 255-register cap with spills.
-BLOCK_T = 1024
+# One tile width for every T (a second one would double the specialisations). 512 elements over 8 warps is 2 per
+# thread: the static gate (bench/kernel_report.py) finds no spills on any target, fp32 or fp64 (60-64 / 96-119
+# registers on sm_90a/100a/120). 1024 over 8 warps spilled 8-16 bytes in fp32 on sm_100a and sm_120, whose ptxas
+# held it to 80 registers; 4 warps put fp64 at the 255-register cap with spills on sm_90a.
+BLOCK_T = 512
 NUM_WARPS = 8
 SPECIALISATIONS_PER_DTYPE = 3  # T % 16 == 0, T == 1, any other T (see the header)
 
