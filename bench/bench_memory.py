@@ -552,7 +552,10 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
               f"{step['median_ms'] / 1e3:.2f} s/step, load {load['load_avg_start']:.1f}/{load['load_avg_end']:.1f}  "
               f"[{time.perf_counter() - t0:.0f} s]", flush=True)
     rows = out.rows
-    png = plot(csv_path) if any(r.get("peak_mib") for r in rows) else None
+    try:
+        png = plot(csv_path) if any(r.get("peak_mib") for r in rows) else None
+    except ImportError as e:  # matplotlib is optional (the GPU machine may lack it): the CSV is the result
+        png = f"not drawn ({e})"
     print()
     print(results_table(rows))
     print(f"\nCSV: {csv_path}" + (f"; plot: {png}" if png else ""))

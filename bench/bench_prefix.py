@@ -499,7 +499,10 @@ def main(argv=None) -> int:
     if len({r.get("src_sha") for r in rows}) > 1:
         print("\nWARNING: the source tree changed during the run; rows measured different code (see the commit and "
               "src_sha columns).", file=sys.stderr)
-    png = plot(csv_path)
+    try:
+        png = plot(csv_path)
+    except ImportError as e:  # matplotlib is optional (the GPU machine may lack it): the CSV is the result
+        png = f"not drawn ({e})"
     print()
     print(results_table(rows))
     print(f"\nwall time {time.perf_counter() - t_start:.0f} s; CSV: {csv_path}; plot: {png}")

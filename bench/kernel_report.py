@@ -69,7 +69,7 @@ TARGETS: dict[str, tuple[Target, int]] = {
     "gfx942": (Target("hip", "gfx942", 64), 64 * KIB),
 }
 COLUMNS = ("kernel", "target", "dtype", "num_warps", "num_stages", "constexprs", "registers", "spill_bytes",
-           "shared_bytes", "tensor_cores", "offsets_64bit", "fp32_scalars", "shared_limit", "chosen", "aligned", "cases",
+           "shared_bytes", "tensor_cores", "offsets_64bit", "fp32_scalars", "attrs", "shared_limit", "chosen", "aligned", "cases",
            "compile_s", "error", "key")
 _TENSOR_CORE_SASS = re.compile(r"\b(HMMA|HGMMA|UTC\w*MMA|IMMA|QGMMA)\b")
 _MFMA = re.compile(r"\bv_(s?mfma|wmma)\w*")
@@ -85,39 +85,66 @@ def _meta(shape, dtype, offset_cols: int = 0) -> torch.Tensor:
     return torch.empty(rows, cols + offset_cols, dtype=dtype, device="meta")[:, offset_cols:]
 
 
+def _hidden(n, h, dtype, layout):
+    """``[n, h]`` hidden states: contiguous, or a view whose pointer is 2 bytes off 16 with an odd row stride
+    ("unaligned"), or a view whose pointer alone is off ("misaligned pointer": row stride a multiple of 16)."""
+    if layout == "misaligned pointer":
+        return torch.empty(n, h + 16, dtype=dtype, device="meta")[:, 1:h + 1]
+    return _meta((n, h), dtype, 1 if layout == "unaligned" else 0)
+
+
+# (layout, H, V): the alignments Triton can specialise a launch on (pointers, H and row strides divisible by 16 or
+# not), and a weight over 2 GiB (AMD specialises pointers into storage under 2 GiB as 32-bit ranges)
+_LAYOUTS = (("aligned", 4096, 151936), ("unaligned", 4095, 151936), ("misaligned pointer", 4096, 151936),
+            ("weight over 2 GiB", 8192, 151936))
+
+
 def _logprob_launches():
-    """(description, thunk) for the forward and backward log-prob launchers over dtypes, flags and alignment."""
+    """(description, input dtype, aligned, thunk) for the forward and backward log-prob launchers over dtypes,
+    flags, layouts and, for float32, both TF32 settings (the launcher's dot precision follows the user's switch)."""
+    from unittest import mock
+
+    from grpo_fast import dispatch
     from grpo_fast.kernels.linear_logprobs import linear_logprob_forward
     from grpo_fast.logprobs_torch import LogprobParams
     from grpo_fast.logprobs_triton import triton_tile_grad
 
-    n, v = 4096, 151936
-    for dtype, aligned in itertools.product((torch.float32, torch.bfloat16, torch.float16), (True, False)):
-        h = 4096 if aligned else 4095
+    n = 4096
+    for dtype, (layout, h, v), tf32 in itertools.product((torch.float32, torch.bfloat16, torch.float16), _LAYOUTS,
+                                                         (True, False)):
+        if dtype != torch.float32 and not tf32:
+            continue  # the TF32 switch only matters for float32
+        aligned = layout in ("aligned", "weight over 2 GiB")
+        tag = f"{dtype} {layout}" + (f" tf32={tf32}" if dtype == torch.float32 else "")
         for bias, softcap, entropy in itertools.product((False, True), repeat=3):
-            def fwd(dtype=dtype, h=h, aligned=aligned, bias=bias, softcap=softcap, entropy=entropy):
-                hidden = _meta((n, h), dtype, 0 if aligned else 1)
-                weight = _meta((v, h), dtype)
-                linear_logprob_forward(hidden, weight, _meta((n,), torch.int64), _meta((v,), dtype) if bias else None,
-                                       0.7, 30.0 if softcap else None, entropy)
-            yield f"forward {dtype} bias={bias} softcap={softcap} entropy={entropy}", dtype, aligned, fwd
-        for bias, softcap, grads in itertools.product((False, True), (False, True), ("g", "ge", "g+ge")):
-            def bwd(dtype=dtype, h=h, aligned=aligned, bias=bias, softcap=softcap, grads=grads):
+            def fwd(dtype=dtype, h=h, v=v, layout=layout, tf32=tf32, bias=bias, softcap=softcap, entropy=entropy):
+                with mock.patch.object(dispatch, "tf32_allowed", lambda: tf32):
+                    linear_logprob_forward(_hidden(n, h, dtype, layout), _meta((v, h), dtype),
+                                           _meta((n,), torch.int64), _meta((v,), dtype) if bias else None, 0.7,
+                                           30.0 if softcap else None, entropy)
+            yield f"forward {tag} bias={bias} softcap={softcap} entropy={entropy}", dtype, aligned, fwd
+        for bias, softcap, grads, chunk_start in itertools.product(
+                (False, True), (False, True), ("g", "ge", "g+ge"), (0, 1) if layout == "unaligned" else (4096,)):
+            def bwd(dtype=dtype, h=h, v=v, layout=layout, tf32=tf32, bias=bias, softcap=softcap, grads=grads,
+                    c0=chunk_start):
                 r, c = 2048, 4096
-                weight = _meta((c + 1, h), dtype)
-                w_c = weight[0 if aligned else 1:][:c]  # a vocab chunk that starts on an odd row when unaligned
+                w_c = _meta((v, h), dtype)[c0:c0 + c]  # a vocab chunk of the weight (c0 = 1: an odd row start)
+                rows = _hidden(r, h, dtype, layout).contiguous()  # the backward gathers rows: contiguous
                 col = lambda: _meta((r, 1), torch.float32)  # noqa: E731
                 params = LogprobParams(0.7, 30.0 if softcap else None, "ge" in grads)
-                triton_tile_grad(_meta((r, h), dtype), w_c, _meta((c,), torch.float32) if bias else None,
-                                 _meta((r,), torch.int64), _meta((r,), torch.float32) if "g" in grads.split("+") else None,
-                                 _meta((r,), torch.float32) if "ge" in grads else None, col(), col(),
-                                 col() if "ge" in grads else None, 0, c, params, torch.float32)
-            yield f"backward dz {dtype} bias={bias} softcap={softcap} grads={grads}", dtype, aligned, bwd
+                with mock.patch.object(dispatch, "tf32_allowed", lambda: tf32):
+                    triton_tile_grad(rows, w_c, _meta((c,), torch.float32) if bias else None, _meta((r,), torch.int64),
+                                     _meta((r,), torch.float32) if "g" in grads.split("+") else None,
+                                     _meta((r,), torch.float32) if "ge" in grads else None, col(), col(),
+                                     col() if "ge" in grads else None, c0, c0 + c, params, torch.float32)
+            yield (f"backward dz {tag} chunk at {chunk_start} bias={bias} softcap={softcap} grads={grads}", dtype,
+                   aligned, bwd)
 
 
 def _loss_launches():
     """The GRPO loss launcher: every loss type and level with every optional input present and absent, at T a
-    multiple of 16, T = 1 and odd T, with aligned and misaligned ``[B, T]`` views. (Its options are runtime values:
+    multiple of 16, T = 1 and odd T (the launcher makes its ``[B, T]`` inputs contiguous, so a misaligned view
+    reaches the kernel as an aligned copy; the odd-T case still passes one). (Its options are runtime values:
     ``tests/test_kernels.py`` holds the whole option grid to 3 specialisations per dtype, so this grid need not
     repeat it.)"""
     from grpo_fast.config import GRPOLossConfig, LossType
@@ -203,6 +230,12 @@ class Spec:
     aligned: bool
     chosen: bool
     cases: list[str]
+
+    def attrs_json(self) -> str:
+        """Triton's specialisation attributes by parameter (divisibility by 16, AMD's 32-bit pointer ranges)."""
+        names = list(self.signature)
+        return json.dumps({names[path[0]]: [a[0].split(".")[-1] for a in v] for path, v in sorted(self.attrs.items())
+                           if v and self.signature[names[path[0]]] != "constexpr"}, sort_keys=True)
 
     def constexprs_json(self) -> str:
         names = list(self.signature)
@@ -309,6 +342,7 @@ def compile_spec(spec: Spec) -> dict:
     row = dict(kernel=launch.name, target=spec.target_name, dtype=spec.dtype, num_warps=launch.num_warps,
                num_stages=launch.num_stages, constexprs=spec.constexprs_json(), shared_limit=limit,
                chosen=int(spec.chosen), aligned=int(spec.aligned), cases=len(spec.cases), key=spec.key, error="",
+               attrs=spec.attrs_json(),
                # a Python float reaches an fp32 parameter rounded to fp32: a float64 kernel must have none
                fp32_scalars=" ".join(name for name, ty in spec.signature.items() if ty == "fp32"))
     t0 = time.perf_counter()
@@ -380,7 +414,7 @@ def build(recompile: bool = False, workers: int = 2, verify: int = 0, progress=p
     if cached_only:
         for s in todo:
             rows[s.key] = dict(kernel=s.launch.name, target=s.target_name, dtype=s.dtype, constexprs=s.constexprs_json(),
-                               fp32_scalars="",
+                               fp32_scalars="", attrs=s.attrs_json(),
                                num_warps=s.launch.num_warps, num_stages=s.launch.num_stages, registers="",
                                spill_bytes="", shared_bytes="", tensor_cores="", offsets_64bit="",
                                shared_limit=TARGETS[s.target_name][1], aligned=int(s.aligned), key=s.key, compile_s="",

@@ -52,8 +52,57 @@ MATMUL_OPS = ("fused_logprobs", "grpo_loss")
 
 
 def tf32_allowed() -> bool:
-    """Whether the user allowed TF32 for float32 matmuls (PyTorch's own switch, which cuBLAS follows too)."""
-    return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    """Whether the user allowed TF32 for float32 matmuls on CUDA, by PyTorch's own switches (which cuBLAS follows):
+    torch >= 2.9's ``torch.backends.cuda.matmul.fp32_precision`` ("tf32" / "ieee"; "none" defers to
+    ``torch.backends.fp32_precision``), else the legacy ``allow_tf32`` and ``set_float32_matmul_precision``. Reading
+    the legacy flag after the new API was used raises in torch 2.13, so the new one is read first."""
+    for owner in (torch.backends.cuda.matmul, torch.backends):
+        try:
+            precision = getattr(owner, "fp32_precision", None)
+        except RuntimeError:
+            precision = None
+        if precision in ("tf32", "ieee"):
+            return precision == "tf32"
+    try:
+        return bool(torch.backends.cuda.matmul.allow_tf32) or torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:  # the new API was used, and said neither tf32 nor ieee
+        return False
+
+
+# GPU families whose every launch the static gate compiles and holds (bench/kernel_report.py); auto uses the
+# kernels only on these
+GATED_FAMILIES = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "cdna")
+_SM_FAMILIES = (80, 86, 89, 90, 100, 120)
+_CDNA = ("gfx90a", "gfx942")
+
+
+def family_of(backend: str, arch: int | str) -> str | None:
+    """The launch-configuration family of a GPU target ("sm90", "cdna", ...), or None for one the kernels are not
+    compiled and gated for (NVIDIA below sm_80: no bf16 tensor-core MMA; AMD other than CDNA2/CDNA3)."""
+    if backend == "hip":
+        return "cdna" if str(arch).split(":")[0] in _CDNA else None
+    arch = int(arch)
+    return None if arch < 80 else f"sm{max(k for k in _SM_FAMILIES if k <= arch)}"
+
+
+@functools.lru_cache(maxsize=None)
+def device_target(index: int) -> tuple[str, int | str, str]:
+    """(backend, arch, name) of CUDA/ROCm device ``index``: arch is the capability as an int (90) or the gfx name."""
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        return "hip", props.gcnArchName.split(":")[0], props.name
+    return "cuda", props.major * 10 + props.minor, props.name
+
+
+def device_index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` ("cuda" alone: the current device)."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def device_family(device: torch.device) -> str | None:
+    return family_of(*device_target(device_index(device))[:2])
 
 
 def auto_impl(device: torch.device, op: str, dtype: torch.dtype | None) -> tuple[str, str]:
@@ -64,6 +113,9 @@ def auto_impl(device: torch.device, op: str, dtype: torch.dtype | None) -> tuple
         return "torch", "triton is not installed"
     if dtype == torch.float64 and op in MATMUL_OPS:
         return "torch", "float64 (the log-prob kernels compute in float32)"
+    if device_family(device) is None:
+        backend, arch, name = device_target(device_index(device))
+        return "torch", f"{name} ({backend} {arch}) is not a target the kernels are compiled and gated for"
     if dtype == torch.float32 and op in MATMUL_OPS and not tf32_allowed():
         return "torch", "float32 without TF32 allowed: exact fp32 matmuls by cuBLAS"
     return "triton", "CUDA tensors"

@@ -26,6 +26,8 @@ from grpo_fast.config import GRPOLossConfig
 from grpo_fast.logprobs_torch import LogprobParams, _acc_dtype, _backward, _forward
 
 _EMPTY = (0,)
+# torch >= 2.9 has the tag (Inductor then keeps the op out of captured CUDA graphs); older torch has no such notion
+_CUDAGRAPH_UNSAFE = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
 
 
 def _absent(x: Tensor | None) -> bool:
@@ -60,7 +62,7 @@ def _(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, im
     return out, ent, hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc)
 
 
-@torch.library.custom_op("grpo_fast::logprobs_bwd", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@torch.library.custom_op("grpo_fast::logprobs_bwd", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def logprobs_bwd(
     hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, m: Tensor, log_s: Tensor,
     entropy: Tensor | None, g: Tensor | None, ge: Tensor | None, temperature: float, softcap: float | None,
@@ -140,7 +142,7 @@ def _terms_fn(impl: str):
     return grpo_loss_terms
 
 
-@torch.library.custom_op("grpo_fast::loss_terms", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+@torch.library.custom_op("grpo_fast::loss_terms", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def loss_terms(
     logp: Tensor, entropy: Tensor | None, advantages: Tensor, mask: Tensor, old_logps: Tensor | None,
     ref_logps: Tensor | None, sampling_ratio: Tensor | None, num_items_in_batch: Tensor | None, config_json: str,

@@ -13,10 +13,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 from typing import Any, Iterator
 
 import torch
+
+from grpo_fast.dispatch import device_index, device_target, family_of
 
 _CAPTURE: contextvars.ContextVar[tuple[list, Any] | None] = contextvars.ContextVar("grpo_fast_capture", default=None)
 
@@ -51,12 +52,13 @@ class Target:
     @property
     def family(self) -> str:
         """The key of the launch-configuration tables: "sm80", "sm86", "sm89", "sm90", "sm100", "sm120" (other
-        capabilities map to the nearest lower one) or "cdna" (AMD)."""
-        if self.backend == "hip":
-            return "cdna"
-        known = (80, 86, 89, 90, 100, 120)
-        arch = int(self.arch)
-        return f"sm{max((k for k in known if k <= arch), default=80)}"
+        capabilities from sm_80 up map to the nearest lower one) or "cdna" (gfx90a, gfx942)."""
+        family = family_of(self.backend, self.arch)
+        if family is None:
+            raise RuntimeError(f"grpo_fast kernels: no launch configuration for {self.backend} {self.arch}; the "
+                               "kernels are compiled and gated for sm_80 and later and for gfx90a/gfx942 "
+                               "(impl='torch' runs everywhere)")
+        return family
 
 
 def launch(kernel, grid: tuple[int, ...], *args, num_warps: int, num_stages: int, **constexprs) -> None:
@@ -94,12 +96,5 @@ def current_target(device: torch.device) -> Target:
         return recorded[1]
     if device.type != "cuda":
         return Target("cuda", 90, 32)
-    return _device_target(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _device_target(index: int) -> Target:
-    props = torch.cuda.get_device_properties(index)
-    if torch.version.hip is not None:
-        return Target("hip", props.gcnArchName.split(":")[0], 64)
-    return Target("cuda", props.major * 10 + props.minor, 32)
+    backend, arch, _ = device_target(device_index(device))
+    return Target(backend, arch, 64 if backend == "hip" and family_of(backend, arch) else 32)

@@ -19,13 +19,21 @@ CUDA = torch.device("cuda")
 interpreted = pytest.mark.skipif(not triton_interpreting(), reason="runs the Triton kernels in the interpreter")
 
 
+@pytest.fixture(autouse=True)
+def an_h100(monkeypatch):
+    """``cuda`` devices in these tests are an sm_90 GPU (there is none here: resolve_impl only reads its kind)."""
+    import grpo_fast.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "device_target", lambda index: ("cuda", 90, "NVIDIA H100"))
+
+
 @pytest.fixture
-def strict_fp32(monkeypatch):
-    saved = torch.backends.cuda.matmul.allow_tf32  # a module with its own __setattr__: no monkeypatch.setattr
-    torch.backends.cuda.matmul.allow_tf32 = False
-    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "highest")
+def strict_fp32():
+    """PyTorch's default: no TF32 for float32 matmuls (set and restored through torch's own setter)."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
     yield
-    torch.backends.cuda.matmul.allow_tf32 = saved
+    torch.set_float32_matmul_precision(saved)
 
 
 @pytest.mark.parametrize("op", ["fused_logprobs", "grpo_loss"])
@@ -38,7 +46,7 @@ def test_auto_sends_fp32_matmuls_to_cublas_unless_tf32_is_allowed(monkeypatch, s
     with pytest.raises(ValueError, match="float64"):
         resolve_impl("triton", CUDA, op, torch.float64)
     assert resolve_impl("triton", CUDA, op, torch.float32) == "triton"  # asked for explicitly: the TF32 kernel
-    monkeypatch.setattr(torch, "get_float32_matmul_precision", lambda: "high")
+    torch.set_float32_matmul_precision("high")  # TF32 allowed: the kernels' TF32 dot, like cuBLAS would
     assert resolve_impl("auto", CUDA, op, torch.float32) == "triton"
 
 
@@ -49,6 +57,43 @@ def test_auto_keeps_elementwise_ops_on_triton_in_fp32(strict_fp32):
         for dtype in (torch.float32, torch.float64):
             assert resolve_impl("auto", CUDA, op, dtype) == "triton"
     assert resolve_impl("auto", torch.device("cpu"), "grpo_loss", torch.bfloat16) == "torch"
+
+
+@pytest.mark.parametrize("backend,arch,family", [("cuda", 80, "sm80"), ("cuda", 87, "sm86"), ("cuda", 103, "sm100"),
+                                                  ("cuda", 121, "sm120"), ("hip", "gfx942", "cdna"),
+                                                  ("cuda", 75, None), ("cuda", 70, None), ("hip", "gfx1100", None),
+                                                  ("hip", "gfx950", None)])
+def test_auto_uses_the_kernels_only_on_gated_gpus(monkeypatch, backend, arch, family):
+    """sm_70/75 (no bf16 tensor-core MMA, 64 KiB shared) and AMD other than CDNA2/3 were never compiled by the
+    static gate: auto runs the torch path there and says why."""
+    import grpo_fast.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "device_target", lambda index: (backend, arch, "some GPU"))
+    assert dispatch.family_of(backend, arch) == family
+    impl, why = auto_impl(CUDA, "grpo_loss", torch.bfloat16)
+    assert impl == ("triton" if family else "torch")
+    if family is None:
+        assert "not a target the kernels are compiled and gated for" in why
+
+
+def test_tf32_switches_old_and_new(monkeypatch):
+    """torch >= 2.9's fp32_precision API and the legacy flags: reading the legacy flag after the new API was used
+    raises in torch, so tf32_allowed reads the new one first (and never raises)."""
+    from grpo_fast.dispatch import tf32_allowed
+
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(torch.backends, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    saved = matmul.fp32_precision
+    try:
+        matmul.fp32_precision = "tf32"
+        assert tf32_allowed() is True
+        matmul.fp32_precision = "ieee"
+        assert tf32_allowed() is False
+        matmul.fp32_precision = "tf32"
+        assert resolve_impl("auto", CUDA, "fused_logprobs", torch.float32) == "triton"
+    finally:
+        matmul.fp32_precision = saved
 
 
 def test_launch_runs_on_the_device_of_its_tensors(monkeypatch):

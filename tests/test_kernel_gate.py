@@ -116,6 +116,8 @@ def test_recompiled_rows_match_the_csv(report):
 
 def test_launchers_produce_few_specialisations(report):
     """Every specialisation is a compile on the user's GPU and here: the count per target stays small (bias,
-    softcap, upstream gradients and loss options are runtime values; see the kernels' headers)."""
+    softcap, upstream gradients and loss options are runtime values; see the kernels' headers). What remains is
+    dtypes x alignments Triton specialises on (pointers, H, strides; 32-bit pointer ranges on AMD) x entropy x the
+    fp32 dot precision, and the table's configurations."""
     per_target = {t: len(_rows(report, target=t)) for t in TARGET_NAMES}
-    assert max(per_target.values()) <= 40, per_target
+    assert max(per_target.values()) <= 80, per_target
