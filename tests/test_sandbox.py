@@ -356,8 +356,8 @@ def test_network_connection_is_blocked():
 ATTACK_HELPERS = """
 import ctypes, errno, io, mmap, os, shutil, socket, sqlite3
 
-SYS = {"x86_64": {"openat": 257, "ptrace": 101, "kill": 62, "io_uring_setup": 425},
-       "aarch64": {"openat": 56, "ptrace": 117, "kill": 129, "io_uring_setup": 425}}[os.uname().machine]
+SYS = {"x86_64": {"openat": 257, "ptrace": 101, "kill": 62, "io_uring_setup": 425, "fchmodat": 268},
+       "aarch64": {"openat": 56, "ptrace": 117, "kill": 129, "io_uring_setup": 425, "fchmodat": 53}}[os.uname().machine]
 
 
 def refused(action, codes=(errno.EACCES, errno.EPERM, errno.EXDEV)):
@@ -419,9 +419,11 @@ def outside(tmp_path):
     canary = tmp_path / "canary.txt"
     canary.write_text("intact")
     os.chmod(canary, 0o644)
+    mtime = canary.stat().st_mtime_ns
     yield tmp_path
     assert canary.read_text() == "intact"
     assert canary.stat().st_mode & 0o777 == 0o644
+    assert canary.stat().st_mtime_ns == mtime
     assert sorted(p.name for p in tmp_path.iterdir()) == ["canary.txt"]
 
 
@@ -551,6 +553,24 @@ def test_sockets_landlock_does_not_cover_are_refused_by_seccomp(config, tmp_path
             listener.accept()
         with pytest.raises(TimeoutError):
             udp.recv(1)
+
+
+@pytest.mark.skipif(not HAS_SECCOMP or LANDLOCK_ABI == 0, reason="seccomp filter for x86_64 and aarch64 only")
+@pytest.mark.parametrize("config", SECCOMP_CONFIGS)
+def test_file_metadata_outside_cannot_be_changed(config, outside):
+    # Landlock has no access right for chmod, chown, utime or extended attributes, and the uid maps to itself: a
+    # completion run as the owner of files outside (root, often) could change them. The seccomp filter refuses the
+    # calls (the outside fixture checks the canary's mode, mtime and content afterwards).
+    canary = str(outside / "canary.txt")
+    attacks = [
+        f"refused(lambda: os.chmod({canary!r}, 0o777))",
+        f"refused(lambda: os.chown({canary!r}, os.getuid(), os.getgid()))",
+        f"refused(lambda: os.utime({canary!r}, (0, 0)))",
+        f"refused(lambda: os.setxattr({canary!r}, 'user.x', b'1'))",
+        f"refused(lambda: os.removexattr({canary!r}, 'user.x'))",
+        f"refused(lambda: syscall('fchmodat', -100, {canary!r}.encode(), 0o777, 0))",
+    ]
+    _attack(attacks, SECCOMP_CONFIGS[config])
 
 
 def _fill(size: int) -> str:

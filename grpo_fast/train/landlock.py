@@ -149,6 +149,15 @@ def drop_capabilities() -> None:
 # socket(2) there (io_uring_setup is 425 on both)
 _AUDIT_ARCH_SOCKET = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
 _SYS_IO_URING_SETUP = 425
+# System calls that change a file's metadata: Landlock (up to ABI 7) has no access right for them, and the uid maps to
+# itself in the user namespace, so a process run as a file's owner (root, often) could chmod, chown, touch or set
+# extended attributes on files anywhere. Nothing a test of model-written code needs. Per architecture (x86_64 has the
+# legacy chmod/chown/utime calls; aarch64 only the *at forms): chmod family, chown family, utime family, xattr setters
+# and removers (also the 6.13 *xattrat calls), file_setattr (6.17).
+_METADATA_SYSCALLS = {
+    "x86_64": (90, 91, 268, 452, 92, 93, 94, 260, 132, 235, 261, 280, 188, 189, 190, 197, 198, 199, 463, 466, 469),
+    "aarch64": (52, 53, 452, 55, 54, 88, 5, 6, 7, 14, 15, 16, 463, 466, 469),
+}
 _X32_SYSCALL_BIT = 0x40000000
 _BPF_LD_W_ABS, _BPF_JEQ_K, _BPF_JGE_K, _BPF_RET_K = 0x20, 0x15, 0x35, 0x06
 _SECCOMP_RET_ALLOW, _SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
@@ -156,24 +165,27 @@ _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 
 
 def deny_sockets() -> bool:
-    """A seccomp filter that fails ``socket(2)`` and ``io_uring_setup(2)`` with ``EACCES`` (``socketpair(2)``, which
-    asyncio needs, stays allowed), and every system call of a foreign ABI (i386 through ``int 0x80``, x32) with it.
-    Landlock (up to ABI 7) does not cover connecting to a named unix socket, such as a Docker or D-Bus socket, nor
-    UDP; without ``socket(2)`` no socket reaches anything. False on other architectures and on kernels without
-    seccomp filters. Needs no-new-privileges.
+    """A seccomp filter that fails with ``EACCES``: ``socket(2)`` and ``io_uring_setup(2)`` (``socketpair(2)``, which
+    asyncio needs, stays allowed), the system calls that change file metadata (``_METADATA_SYSCALLS``: chmod, chown,
+    utime, xattr), and every system call of a foreign ABI (i386 through ``int 0x80``, x32). Landlock (up to ABI 7)
+    covers none of these: not connecting to a named unix socket (a Docker or D-Bus socket), not UDP, not metadata;
+    without ``socket(2)`` no socket reaches anything. False on other architectures and on kernels without seccomp
+    filters. Needs no-new-privileges.
     """
-    arch = _AUDIT_ARCH_SOCKET.get(os.uname().machine)
+    machine = os.uname().machine
+    arch = _AUDIT_ARCH_SOCKET.get(machine)
     if arch is None:
         return False
     audit_arch, sys_socket = arch
+    denied = (sys_socket, _SYS_IO_URING_SETUP, *_METADATA_SYSCALLS[machine])
+    n = len(denied)
     deny = _SECCOMP_RET_ERRNO | errno.EACCES
     program = [  # (code, jump if true, jump if false, k); jumps count the instructions skipped
         (_BPF_LD_W_ABS, 0, 0, 4),  # A = seccomp_data.arch
-        (_BPF_JEQ_K, 0, 5, audit_arch),
+        (_BPF_JEQ_K, 0, n + 3, audit_arch),  # a foreign ABI: to the final deny
         (_BPF_LD_W_ABS, 0, 0, 0),  # A = seccomp_data.nr
-        (_BPF_JGE_K, 3, 0, _X32_SYSCALL_BIT),
-        (_BPF_JEQ_K, 2, 0, sys_socket),
-        (_BPF_JEQ_K, 1, 0, _SYS_IO_URING_SETUP),
+        (_BPF_JGE_K, n + 1, 0, _X32_SYSCALL_BIT),
+        *((_BPF_JEQ_K, n - i, 0, nr) for i, nr in enumerate(denied)),  # each: past the rest and the allow
         (_BPF_RET_K, 0, 0, _SECCOMP_RET_ALLOW),
         (_BPF_RET_K, 0, 0, deny),
     ]
