@@ -643,6 +643,22 @@ def test_json_test_lists():
     assert json_test_list('"assert True"') is None
 
 
+@pytest.mark.parametrize("data", ['[{"input": "1", "output": "2"}]', "[1, 2]", '{"a": 1}', "123", "None", "'x'"])
+def test_code_reward_refuses_tests_strings_that_hold_data(data):
+    """A tests string that holds data, not code, would run as one always-passing test: refused, with its index."""
+    with pytest.raises(ValueError, match=r"code_reward: tests\[1\]: a tests string must be test code"):
+        code_reward(["p", "p"], ["x = 1", "x = 1"], [["assert x == 1"], data])
+
+
+def test_code_reward_reads_tests_stored_as_strings():
+    """JSON and Python-repr lists of snippets (parquet, pandas and CSV round trips) are those lists; plain code is one
+    test; None is unscored."""
+    code = "def f(x):\n    return x + 1\n"
+    tests = ['["assert f(1) == 2", "assert f(2) == 4"]', "['assert f(1) == 2', 'assert f(2) == 4']",
+             "assert f(1) == 2", None]
+    assert code_reward(["p"] * 4, [code] * 4, tests) == [0.5, 0.5, 1.0, None]
+
+
 @pytest.mark.parametrize("stream", ["stdout", "stderr"])
 def test_output_flood_is_cut_off(stream):
     before = _resident_bytes()

@@ -43,6 +43,7 @@ run in the completion's own process can also be gamed from inside (say, by retur
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import math
@@ -215,15 +216,15 @@ def code_reward(
     limits = SandboxLimits() if limits is None else limits
     isolation_layers()
 
-    def score(completion: str | list[dict[str, Any]], case_tests: list[str] | str | None) -> float | None:
-        if isinstance(case_tests, str) and (parsed := json_test_list(case_tests)) is not None:
-            case_tests = parsed
+    cases = [test_snippets(case_tests, f"code_reward: tests[{i}]") for i, case_tests in enumerate(tests)]
+
+    def score(completion: str | list[dict[str, Any]], case_tests: list[str] | None) -> float | None:
         if not case_tests:
             return None
         return run_tests(extract_code(_completion_text(completion)), case_tests, limits).fraction
 
     with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, _MAX_WORKERS)) as pool:
-        return list(pool.map(score, completions, tests))
+        return list(pool.map(score, completions, cases))
 
 
 @cache
@@ -263,6 +264,29 @@ def sandbox_metrics() -> dict[str, float]:
 
 
 code_reward.metrics = sandbox_metrics  # type: ignore[attr-defined]
+
+
+def test_snippets(value: Any, where: str) -> list[str] | None:
+    """One sample's tests as :func:`run_tests` takes them: a list of strings as is; None as is (unscored); a string
+    holding a JSON or Python list of strings parsed (parquet, pandas and CSV round trips store lists so); any other
+    string that is plain code, one test. A string holding other data (``'[1, 2]'``, ``'{"input": ...}'``, ``'123'``)
+    is refused with ``where`` in the message: run as a test, a literal passes for any code that parses."""
+    if value is None or (isinstance(value, list) and all(isinstance(test, str) for test in value)):
+        return value
+    if isinstance(value, str):
+        parsed = json_test_list(value)
+        if parsed is not None:
+            return parsed
+        try:
+            literal = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return [value]  # code, not data
+        if isinstance(literal, list) and all(isinstance(test, str) for test in literal):
+            return literal
+        raise ValueError(f"{where}: a tests string must be test code or a list of test snippets, got "
+                         f"{type(literal).__name__} data {value!r:.200}")
+    raise ValueError(f"{where}: tests must be a list of test snippets (strings), a string or None, got "
+                     f"{type(value).__name__} {value!r:.200}")
 
 
 def json_test_list(value: str) -> list[str] | None:
