@@ -613,6 +613,28 @@ def test_disk_watchdog_kills_a_child_past_the_budget(size, limits):
     assert f"the directory passed {limits.max_files} files or {limits.disk_mb} MiB" in result.detail
 
 
+def test_disk_watchdog_sees_a_writer_quicker_than_one_poll():
+    # 30 MB written and done before the first 50 ms poll: the final check still finds the directory over 1 MiB
+    code = "for i in range(300):\n    open(f'f{i}', 'wb').write(b'x' * 100_000)\n"
+    limits = SandboxLimits(timeout_s=5.0, cpu_time_s=10.0, disk_mb=1, max_files=1000)
+    result, layers = sandbox._run_child(code, ["assert True"], limits, frozenset({"namespaces"}))
+    assert "disk-tmpfs" not in layers
+    assert (result.passed, result.status) == (0, "disk_limit"), result.detail
+
+
+def test_an_unreadable_directory_counts_as_over_the_disk_budget(tmp_path, monkeypatch):
+    # a child that hides its writes in a directory the parent cannot list (mode 0o300, run as another user) must not
+    # pass the watchdog unseen (as root here, the parent lists anything: the refusal is simulated)
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    real_scandir = os.scandir
+    monkeypatch.setattr(os, "scandir", lambda path: (_ for _ in ()).throw(PermissionError(13, "denied", path))
+                        if str(path) == str(hidden) else real_scandir(path))
+    assert sandbox._over_disk_budget(str(tmp_path), SandboxLimits(disk_mb=1, max_files=10))
+    hidden.rmdir()
+    assert not sandbox._over_disk_budget(str(tmp_path), SandboxLimits(disk_mb=1, max_files=10))
+
+
 def test_without_landlock_the_warning_and_metrics_say_so(monkeypatch, caplog):
     skip_landlock = frozenset({"landlock"})
     monkeypatch.setattr(sandbox, "_run_child", lambda code, tests, limits: _real_run_child(code, tests, limits,

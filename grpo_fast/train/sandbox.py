@@ -460,6 +460,9 @@ def _supervise(
                 return "disk_limit"
             next_disk_check = now + _POLL_S
         streams.pump(min(deadline - now, _POLL_S))
+    # once more at the end: a writer quicker than one poll must not finish over the budget unseen
+    if "disk-tmpfs" not in reports.layers and _over_disk_budget(workdir, limits):
+        return "disk_limit"
     return None
 
 
@@ -474,15 +477,19 @@ def _over_disk_budget(workdir: str, limits: SandboxLimits) -> bool:
     while pending:
         try:
             entries = list(os.scandir(pending.pop()))
-        except OSError:  # removed meanwhile, or made unreadable: its entries are counted once readable again
+        except FileNotFoundError:  # removed meanwhile
             continue
+        except OSError:  # made unreadable (mode 0o300, say): what it holds cannot be counted, so it counts as over
+            return True
         for entry in entries:
             files += 1
             try:
                 info = entry.stat(follow_symlinks=False)
             except OSError:
                 continue
-            used += info.st_blocks * 512  # blocks, not st_size: a sparse file takes little room
+            # the larger of size and blocks: some file systems (ZFS, btrfs) report a fresh file's blocks only after
+            # their next sync, and a sparse file counts at its size (the sandboxed code only hurts itself by that)
+            used += max(info.st_blocks * 512, info.st_size)
             if files > limits.max_files or used > budget_bytes:
                 return True
             if entry.is_dir(follow_symlinks=False):
