@@ -6,6 +6,7 @@ import argparse
 import difflib
 import logging
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -79,6 +80,17 @@ def resume_command(argv: list[str]) -> str:
     return f"{prog} {shlex.join([*args, '--resume'])}"
 
 
+def _flag_names(message: str, overrides: dict) -> str:
+    """The message with each config field the user set by a flag named as that flag: ``TrainConfig.max_new_tokens``
+    -> ``--max-new-tokens``, ``GRPOLossConfig.beta`` -> ``--loss.beta`` (fields from a file keep their names)."""
+    def flag(match: re.Match) -> str:
+        owner, field = match.groups()
+        dest = f"loss.{field}" if owner == "GRPOLossConfig" else field.replace("_", "-")
+        return f"--{dest}" if dest in overrides else match.group(0)
+
+    return re.sub(r"\b(TrainConfig|GRPOLossConfig)\.(\w+)", flag, message)
+
+
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from grpo_fast.train import build_config, fit, prepare
     from grpo_fast.train.config import read_config_file
@@ -90,7 +102,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         file_values = read_config_file(args.config) if args.config else {}
         prepared = prepare(build_config(file_values, overrides, file_name=f"--config {args.config}"))
     except _INPUT_ERRORS as e:  # a one-line message that names the option; errors later keep their traceback
-        print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
+        print(f"grpo-fast {args.command}: error: {_flag_names(str(e), overrides)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"grpo-fast {args.command}: interrupted before the first step; nothing was trained or saved",
@@ -100,7 +112,11 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         summary = fit(prepared)
     except TrainingInterrupted as e:
         if prepared.run.world.is_main:
-            print(f"grpo-fast {args.command}: {e}; resume with: {resume_command(argv)}", file=sys.stderr)
+            if e.checkpoint is None:  # nothing to resume from: the run starts afresh, over what it left
+                again = resume_command(argv).removesuffix(" --resume") + " --overwrite"
+                print(f"grpo-fast {args.command}: {e}; nothing to resume: start again with: {again}", file=sys.stderr)
+            else:
+                print(f"grpo-fast {args.command}: {e}; resume with: {resume_command(argv)}", file=sys.stderr)
         if e.clean:  # every rank stopped at the same step: leave the process group together
             world = prepared.run.world
             del prepared

@@ -52,14 +52,14 @@ def test_bad_input_is_one_line(case, tmp_path, capsys, monkeypatch):
     yaml.write_text("steps: [1\nlr: 2\n")
     (tmp_path / "a-file").write_text("")
     argv, expected = {
-        "device": (["--device", "tpu"], "TrainConfig.device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
-        "impl": (["--impl", "triton"], "TrainConfig.impl: grpo_loss: impl='triton' needs CUDA tensors"),
-        "weights": (["--reward-weights", "nan"], "TrainConfig.reward_weights must be finite numbers, got [nan]"),
+        "device": (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+        "impl": (["--impl", "triton"], "--impl: grpo_loss: impl='triton' needs CUDA tensors"),
+        "weights": (["--reward-weights", "nan"], "--reward-weights must be finite numbers, got [nan]"),
         "toml": (["--config", str(toml)], f"--config: {toml} is not valid TOML: "),
         "yaml": (["--config", str(yaml)], f"--config: {yaml} is not valid YAML at line 2, column 3: expected ','"),
         "file": (["--output-dir", str(tmp_path / "a-file")], f"{tmp_path / 'a-file'} is a file, expected a directory"),
-        "unwritable": (["--output-dir", _unwritable(tmp_path)], "TrainConfig.output_dir: cannot create or write in"),
-        "empty-dir": (["--output-dir", ""], "TrainConfig.output_dir must name a directory, got ''"),
+        "unwritable": (["--output-dir", _unwritable(tmp_path)], "--output-dir: cannot create or write in"),
+        "empty-dir": (["--output-dir", ""], "--output-dir must name a directory, got ''"),
         "rewards-ints": (["--config", str(toml)], f"--config {toml}: TrainConfig.rewards: expected a list of str, "
                                                   "got [1, 2] (item 0 is int, expected a string)"),
         "loss-int": (["--config", str(toml)], f"--config {toml}: loss must be a table of loss options ([loss] in "
@@ -100,7 +100,7 @@ def test_the_whole_dataset_is_checked_before_step_1(problem, tmp_path, capsys):
     line = _one_line_error(capsys, ["train", *TINY, "--dataset", str(data), "--max-prompt-length", "40",
                                     "--output-dir", str(tmp_path / "run")])
     expected = {"empty": "column 'prompt' is an empty prompt, got ' \\n'",
-                "long": "the prompt is 76 tokens long once rendered, more than TrainConfig.max_prompt_length 40",
+                "long": "the prompt is 76 tokens long once rendered, more than --max-prompt-length 40",
                 "type": "column 'prompt' must be a string or a non-empty list of chat messages"}[problem]
     assert f"{data}, line 30: {expected}" in line
 
@@ -258,3 +258,22 @@ def test_ctrl_c_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch)
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "grpo-fast train: interrupted before the first step; nothing was trained or saved"
     assert not any(out.iterdir())  # the rerun needs no --overwrite
+
+
+def test_a_stop_with_nothing_saved_says_to_start_again(tmp_path, capsys, monkeypatch):
+    """A second Ctrl-C before the first checkpoint leaves nothing to resume: the message says to start again with
+    --overwrite, not to --resume (which would start from step 0 and look like a resume)."""
+    import grpo_fast.train as train
+    from grpo_fast.train.trainer import TrainingInterrupted
+
+    def stopped(prepared):
+        raise TrainingInterrupted("stopped at once by a second Ctrl-C after 0 of 1 steps; no checkpoint was saved",
+                                  0, None, clean=False)
+
+    monkeypatch.setattr(train, "fit", stopped)
+    out = str(tmp_path / "run")
+    assert main(["train", *TINY, "--output-dir", out]) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.endswith(f"nothing to resume: start again with: grpo-fast train {' '.join(TINY)} --output-dir {out} "
+                        "--overwrite"), err
+    assert "--resume" not in err

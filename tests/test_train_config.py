@@ -151,7 +151,7 @@ def test_help_lists_every_option_with_its_default(capsys):
 def test_cli_reports_bad_input_without_a_traceback(capsys, tmp_path):
     code = main(["train", "--steps", "0", "--output-dir", str(tmp_path)])
     err = capsys.readouterr().err
-    assert code == 2 and "grpo-fast train: error: TrainConfig.steps must be an int >= 1" in err
+    assert code == 2 and "grpo-fast train: error: --steps must be an int >= 1" in err
     assert "Traceback" not in err
 
 
