@@ -182,23 +182,26 @@ class TileConfig:
     num_stages: int
 
 
-# (GPU family, "16bit" | "fp32", aligned) -> (forward, backward dz) configurations. Every entry passes the static
+# (GPU family, "16bit" | "tf32" | "ieee", aligned) -> (forward, backward dz) configurations. Every entry passes the static
 # gate on every target of its family (bench/kernel_report.py, tests/test_kernel_gate.py): no spills, shared memory
 # within the per-block limit, tensor-core instructions. Chosen by compiling candidates through the gate, not tuned on
 # hardware (no GPU has run them yet). 8 warps keep the fp32 [BLOCK_N, BLOCK_V] tile and its exp temporaries under
 # the register cap where 4 warps sit at 255 registers (sm_80, sm_90a) or spill (sm_120). Unaligned inputs (a
 # misaligned ``hidden`` view, H or a row stride not a multiple of 16) load element by element, which costs registers
-# for addresses: a 32-wide H slice keeps them spill-free on sm_80/86/89 and CDNA. fp32 tiles (TF32 or IEEE dot) are
-# twice the bytes of 16-bit ones: the 32-wide slice keeps three stages within 99 KiB of shared memory. sm_100a caps these
+# for addresses: a 32-wide H slice keeps them spill-free on sm_80/86/89 and CDNA. fp32 tiles are twice the bytes of
+# 16-bit ones: with a TF32 dot the 32-wide slice keeps three stages within 99 KiB of shared memory; an IEEE fp32 dot
+# (no tensor cores: FMAs from registers) spilled 8-144 bytes at 64 x 128 x 32 on every NVIDIA target and spills
+# nothing at 64 x 64 x 16. sm_100a caps these
 # kernels at 128 registers a thread: the 16-bit forward without entropy spilled 24 bytes at 3 stages and spills
 # nothing at 4 (98 KiB of its 227 KiB).
 _WIDE = TileConfig(64, 128, 64, 8, 3)
 _NARROW = TileConfig(64, 128, 32, 8, 3)
+_IEEE = TileConfig(64, 64, 16, 8, 2)
 CONFIGS: dict[tuple[str, str, bool], tuple[TileConfig, TileConfig]] = {
     (family, kind, aligned): (cfg, cfg)
     for family in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "cdna")
-    for kind, aligned, cfg in (("16bit", True, _WIDE), ("16bit", False, _NARROW), ("fp32", True, _NARROW),
-                               ("fp32", False, _NARROW))
+    for kind, aligned, cfg in (("16bit", True, _WIDE), ("16bit", False, _NARROW), ("tf32", True, _NARROW),
+                               ("tf32", False, _NARROW), ("ieee", True, _IEEE), ("ieee", False, _IEEE))
 }
 CONFIGS[("sm100", "16bit", True)] = (TileConfig(64, 128, 64, 8, 4),) * 2
 _INTERPRET_BLOCKS = (32, 128, 128)  # the interpreter runs one program per tile in numpy: few, large tiles are fastest
@@ -212,12 +215,12 @@ def aligned(*tensors: torch.Tensor) -> bool:
 
 def tile_configs(device: torch.device, dtype: torch.dtype, h: int, is_aligned: bool) -> tuple[TileConfig, TileConfig]:
     """The (forward, backward) launch configurations for inputs of ``dtype``, hidden size ``h`` and alignment on
-    ``device``."""
+    ``device`` (for float32, by the dot's precision: see ``_precision``)."""
     if triton_interpreting() and not capturing():
         block_n, block_v, block_h = _INTERPRET_BLOCKS
         cfg = TileConfig(block_n, block_v, min(block_h, triton.next_power_of_2(h)), 4, 1)
         return cfg, cfg
-    kind = "fp32" if dtype == torch.float32 else "16bit"
+    kind = _precision(device, dtype)[1] if dtype == torch.float32 else "16bit"
     return CONFIGS[(current_target(device).family, kind, is_aligned)]
 
 
