@@ -12,8 +12,8 @@
 # and PYTHONSAFEPATH=1 so that `python -m ...` run from the checkout (this script, bench/harness.py's child processes)
 # does not put the checkout's own grpo_fast/ in front of it.
 #
-# Budget (tests/test_gpu_check.py holds it): step timeouts 10+30+70+120+30+60+45+35+40 = 440 s, plus 3 s of kill
-# grace for each of the 9 steps = 467 s, within 8 minutes (480 s) even if every step runs into its timeout.
+# Budget (tests/test_gpu_check.py holds it): step timeouts 10+30+60+100+25+40+55+45+35+40 = 440 s, plus 3 s of kill
+# grace for each of the 10 steps = 470 s, within 8 minutes (480 s) even if every step runs into its timeout.
 #
 #   bash bench/gpu_check.sh                # the whole check (OUT=dir to choose where results go)
 #   bash bench/gpu_check.sh --setup-only   # only the link farm and its import check (runs on a CPU)
@@ -114,26 +114,28 @@ if [ "$SETUP_ONLY" = 1 ] || [ "$LAST_RC" != 0 ]; then  # set-up only, or a set-u
 fi
 
 # ---- the checks, cheapest and most telling first
-step doctor 70 "$PY" -m grpo_fast doctor --budget 45 --json "$OUT/doctor.json"
+step doctor 60 "$PY" -m grpo_fast doctor --budget 40 --json "$OUT/doctor.json"
 
 # every gpu-marked test (the kernels on the GPU, the loss kernel's reduced option grid, the bf16 shared-prefix forward)
-step gpu_tests 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs --continue-on-collection-errors \
+step gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs --continue-on-collection-errors \
   --junitxml="$OUT/gpu_tests.xml" tests/
 
+# the micro benchmarks at both sizes, one step each (pytest-benchmark writes its JSON at the end: a step cut by its
+# timeout keeps nothing, so the small size is not put at risk by the large one)
 if [ ! -d bench/micro ]; then
-  skipped micro "no bench/micro in this checkout"
+  skipped micro_small "no bench/micro in this checkout"; skipped micro_large "no bench/micro in this checkout"
 elif ! has pytest_benchmark; then
-  skipped micro "pytest-benchmark is not installed"
+  skipped micro_small "pytest-benchmark is not installed"; skipped micro_large "pytest-benchmark is not installed"
 else
-  # the small size only: the large one's float64 check needs ~40 GB and minutes; pytest-benchmark writes its JSON
-  # at the end, so a step cut by its timeout would keep nothing
-  step micro 30 "$PY" -m pytest -q -p no:cacheprovider bench/micro -k small --benchmark-max-time=0.2 \
-    --benchmark-group-by=group --benchmark-json "$OUT/micro.json"
+  step micro_small 25 "$PY" -m pytest -q -p no:cacheprovider bench/micro -k small --benchmark-max-time=0.2 \
+    --benchmark-group-by=group --benchmark-json "$OUT/micro_small.json"
+  step micro_large 40 "$PY" -m pytest -q -p no:cacheprovider bench/micro -k large --benchmark-max-time=0.2 \
+    --benchmark-group-by=group --benchmark-json "$OUT/micro_large.json"
 fi
 
 # grpo_loss fwd+bwd, bf16, N=16384, H=4096, V=151936: triton vs the materialised reference (vs Liger) vs the bare
 # matmuls; one process checks every loss against the float64 oracle first, then one process per implementation
-step loss 60 "$PY" -m bench.bench_loss --device cuda --dtype bf16 --n 16384 --batch 8 --h 4096 --vocab 151936 \
+step loss 55 "$PY" -m bench.bench_loss --device cuda --dtype bf16 --n 16384 --batch 8 --h 4096 --vocab 151936 \
   --warmup 2 --reps 5 --timeout 40 --impls triton reference $LIGER matmul --csv "$OUT/loss_gpu.csv"
 
 # shared-prefix training step (shared vs unshared forward), bf16, H=1024, 8 layers, P:C 8:1 and 1:8 of 512 tokens, G 8

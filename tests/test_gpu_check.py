@@ -50,7 +50,8 @@ def test_every_step_has_a_timeout_and_they_sum_to_the_stated_budget():
     setup_s = int(re.search(r"^SETUP_S=(\d+)", text, re.M).group(1))  # the GPU run's value
     steps = _steps()
     names = [name for name, _, _ in steps]
-    assert names == ["device", "setup", "doctor", "gpu_tests", "micro", "loss", "prefix", "train", "memory"]
+    assert names == ["device", "setup", "doctor", "gpu_tests", "micro_small", "micro_large", "loss", "prefix",
+                     "train", "memory"]
     seconds = [setup_s if s == '"$SETUP_S"' else int(s) for _, s, _ in steps]
     total = sum(seconds) + grace * len(steps)
     stated = re.search(r"step timeouts ([\d+]+) = (\d+) s, plus (\d+) s of kill\n# grace for each of the (\d+) steps = "
@@ -72,7 +73,8 @@ def test_gpu_tests_run_right_after_the_doctor():
     assert steps["doctor"][1:4] == ["-m", "grpo_fast", "doctor"] and "--json" in steps["doctor"]
     gpu = steps["gpu_tests"]
     assert gpu[1:3] == ["-m", "pytest"] and gpu[gpu.index("-m", 3) + 1] == "gpu" and gpu[-1] == "tests/"
-    assert "--benchmark-json" in steps["micro"] and '[ ! -d bench/micro ]' in _script()
+    assert all("--benchmark-json" in steps[f"micro_{size}"] for size in ("small", "large"))
+    assert "[ ! -d bench/micro ]" in _script()
 
 
 @pytest.mark.parametrize("step", ["doctor", "loss", "prefix", "train", "memory"])
