@@ -24,7 +24,7 @@ LOSS_HELP = {
     "epsilon_high": "upper clip (1 + epsilon_high; None: epsilon); cispo's truncation bound",
     "delta": "two-sided clipping: cap the unclipped ratio at delta (None: off)",
     "importance_sampling_level": "token, or sequence (GSPO)",
-    "use_bias_correction_kl": "multiply the KL term by the importance ratio",
+    "use_bias_correction_kl": "multiply the KL term by the importance ratio (TRL 1.16's default; false: plain k3)",
     "sapo_temperature_pos": "SAPO gate temperature for positive advantages",
     "sapo_temperature_neg": "SAPO gate temperature for negative advantages",
     "vespo_k_pos": "VESPO k for positive advantages",
