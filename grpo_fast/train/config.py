@@ -102,7 +102,8 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_betas: list[float] = _f([0.9, 0.99], "AdamW betas")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
-    warmup_steps: int = _f(10, "linear learning-rate warm-up, in optimizer updates")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up, in optimizer updates (update k, counted from 0, "
+                           "uses k / warmup_steps of lr: transformers' and TRL's schedules)")
     lr_schedule: str = _f("constant", "after warm-up: constant, linear (to 0), cosine (to 0)")
     # logging and checkpoints
     output_dir: str = _f("runs/grpo-fast", "metrics.jsonl, the plot, config.json and checkpoints go here")

@@ -95,11 +95,15 @@ def load_datasets(config: TrainConfig) -> tuple[list[dict], list[dict]]:
 
 
 def lr_lambda(config: TrainConfig, total_updates: int):
+    """The learning-rate factor of optimizer update ``update`` (counted from 0): transformers' schedules with warm-up
+    (``get_{constant,linear,cosine}_schedule_with_warmup``, TRL's ``lr_scheduler_type``), so update ``k < warmup``
+    uses ``k / warmup`` of the learning rate (the first update is made with lr 0) and update ``warmup`` the full
+    one."""
     warmup = config.warmup_steps
 
     def factor(update: int) -> float:
         if update < warmup:
-            return (update + 1) / warmup
+            return update / warmup
         if config.lr_schedule == "constant":
             return 1.0
         progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
