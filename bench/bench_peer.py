@@ -127,6 +127,7 @@ NOT_MAPPED = {
     "lora_r": f"{REFUSED}: LoRA would be GRPOTrainer(peft_config=...)",
     "lora_alpha": "only with lora_r",
     "lora_target_modules": "only with lora_r",
+    "merge_lora": "only with lora_r (what output_dir/model holds)",
     "distributed": "one process: ignored by both",
     "dataset": "builtin tasks only: GRPOTrainer(train_dataset=...) of the same records",
     "eval_dataset": "both are scored by grpo-fast's evaluate on the task's held-out split",
