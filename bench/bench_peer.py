@@ -43,6 +43,7 @@ benchmark keeps the runs it finished.
 
     python -m bench.bench_peer                    # seeds 0 1 2, 800 steps each, the default run
     python -m bench.bench_peer --seeds 0 --steps 5   # a quick check
+    python -m bench.bench_peer --trainers trl --keep # add TRL's runs to the grpo-fast runs already in the CSV
 """
 
 from __future__ import annotations
@@ -440,6 +441,9 @@ def _parse_args(argv):
     p.add_argument("--out", type=Path, default=harness.RESULTS_DIR / "peer_cpu.csv",
                    help="summary CSV; the curve goes to <out>_curve.csv and the plot to <out>.png")
     p.add_argument("--replot", action="store_true", help="only redraw <out>.png and print the tables from the CSVs")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the finished runs of <out> (rows without error, and their curves) and run only the "
+                        "missing (seed, trainer) pairs: a stopped benchmark continues, or another trainer is added")
     p.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per trainer process")
     return p.parse_args(argv)
 
@@ -459,8 +463,16 @@ def main(argv=None) -> int:
           f"seeds {' '.join(map(str, args.seeds))}{'; ' + ' '.join(args.set) if args.set else ''}; trainers "
           f"{', '.join(args.trainers)}", flush=True)
     rows, curve_rows = [], []
+    if args.keep and args.out.exists():
+        rows = [r for r in harness.read_csv(args.out) if not r["error"]]
+        kept = {(r["seed"], r["trainer"]) for r in rows}
+        curve_rows = [c for c in harness.read_csv(curve_path(args.out)) if (c["seed"], c["trainer"]) in kept]
+        print(f"  kept from {args.out}: {', '.join(f'seed {s} {t}' for s, t in sorted(kept)) or 'nothing'}")
+    done = {(str(r["seed"]), r["trainer"]) for r in rows}
     for seed in args.seeds:
         for name in args.trainers:
+            if (str(seed), name) in done:
+                continue
             torch.set_num_threads(threads)  # env_fields records it
             env = harness.env_fields("cpu")
             print(f"  seed {seed} {name:>9} ... ", end="", flush=True)

@@ -209,3 +209,8 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     assert out.with_suffix(".png").stat().st_size > 0
     assert "| 0 | grpo_fast | 2 |" in printed and "| 0 | trl | 2 |" in printed
     assert "n=1)" in printed  # the seeds' table
+    # --keep: the finished runs stay, only the missing pair runs
+    before = out.read_text()
+    rc = bench_peer.main(["--steps", "2", "--seeds", "0", "--trainers", "trl", "--keep", "--out", str(out), "--set",
+                          *(f"{k}={v}" for k, v in TINY.items())])
+    assert rc == 0 and out.read_text() == before and "kept from" in capsys.readouterr().out
