@@ -15,7 +15,8 @@ Train a causal LM with GRPO. With no arguments: a tiny Qwen2 learns the built-in
 
 Options come from (later wins): the defaults below, --config FILE (.toml or .yaml; the loss options in a [loss]
 table), then the flags. Lists are comma-separated (--rewards math,format). Outputs in --output-dir:
-metrics.jsonl, reward_kl.png, config.json, checkpoints/.
+metrics.jsonl, reward_kl.png, config.json, checkpoints/, and model/: the trained model (save_pretrained; see
+grpo-fast export and grpo-fast eval).
 """
 
 
