@@ -21,7 +21,6 @@ model; an earlier ``model/`` in the same place is replaced.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import shutil
 from pathlib import Path
@@ -31,8 +30,6 @@ import torch
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.forward import unwrap
-
-logger = logging.getLogger("grpo_fast.train")
 
 MODEL_DIR = "model"  # inside output_dir
 
