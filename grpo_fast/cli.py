@@ -17,7 +17,8 @@ Train a causal LM with GRPO. With no arguments: a tiny Qwen2 learns the built-in
 
 Options come from (later wins): the defaults below, --config FILE (.toml or .yaml; the loss options in a [loss]
 table), then the flags. Lists are comma-separated (--rewards math,format). Outputs in --output-dir:
-metrics.jsonl, reward_kl.png, config.json, checkpoints/.
+metrics.jsonl, reward_kl.png, config.json, checkpoints/, and model/: the trained model (save_pretrained; see
+grpo-fast export and grpo-fast eval).
 """
 
 
@@ -195,6 +196,128 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.run(args)
 
 
+# ------------------------------------------------------------------------------------------------ export and eval
+
+EXPORT_DESCRIPTION = """\
+Turn a training checkpoint into a save_pretrained directory: what output_dir/model/ holds at the end of a run.
+
+CHECKPOINT is a checkpoint-NNNNNN.pt file or, from an FSDP2 run, a checkpoint-NNNNNN.dcp directory (in
+output_dir/checkpoints/). The model is rebuilt from the run's config saved in the checkpoint (the built-in tiny
+model from its seed, or the --model directory it was trained from, which must still exist) and its weights loaded.
+OUT_DIR gets model.safetensors, config.json, generation_config.json and the tokenizer (chat template included);
+a LoRA run gets its adapter in PEFT's format instead, or with --merge-lora the merged full weights.
+"""
+
+EVAL_DESCRIPTION = """\
+Evaluate a saved model (output_dir/model of a run, or grpo-fast export's OUT_DIR) the way a run evaluates before
+and after training: the same prompt rendering (chat template, --system-prompt), generation and reward functions.
+Greedy decoding by default: on a builtin task's held-out split this reproduces the run's eval_after. --samples K
+samples K completions per prompt at --temperature (default 1.0) and reports mean@K (mean reward over all
+completions) and pass@K (share of prompts with a completion scoring >= --pass-threshold). Prints a table and writes
+every prompt's rewards to --output (JSON).
+
+  grpo-fast eval --model runs/grpo-fast/model --dataset builtin:digits
+  grpo-fast eval --model out/model --dataset test.jsonl --rewards math --samples 8 --temperature 0.7
+"""
+
+
+def _export_parser(sub) -> None:
+    p = sub.add_parser("export", help="a checkpoint -> a save_pretrained model directory",
+                       usage="grpo-fast export CHECKPOINT OUT_DIR [--merge-lora]", description=EXPORT_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint-*.pt file or checkpoint-*.dcp directory")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="the directory to write (new or empty)")
+    p.add_argument("--merge-lora", action="store_true", help="LoRA runs: merged full weights instead of the adapter")
+
+
+def _eval_parser(sub) -> None:
+    p = sub.add_parser("eval", help="evaluate a saved model on a dataset with the run's evaluation",
+                       usage="grpo-fast eval --model DIR --dataset FILE [--rewards R,...] [--samples K] [...]",
+                       description=EVAL_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # strings, converted and checked by _eval (one-line errors that name the flag)
+    add = p.add_argument
+    add("--model", metavar="DIR", help="saved model directory (full weights or a LoRA adapter)")
+    add("--dataset", metavar="FILE", help="builtin:NAME (its held-out split) or a .jsonl/.json/.parquet file")
+    add("--rewards", metavar="R,...", default="math", help="reward functions: math, exact, format, code, "
+        "module:function or path.py:function (default: math)")
+    add("--reward-weights", metavar="W,...", default="", help="one weight per reward (default: all 1)")
+    add("--samples", metavar="K", default="1", help="completions per prompt (default 1: greedy)")
+    add("--temperature", metavar="T", default=None, help="sampling temperature (default: 0, greedy, for one "
+        "sample; 1.0 for --samples > 1)")
+    add("--top-p", metavar="P", default="1.0", help="nucleus sampling (default 1.0: off)")
+    add("--max-new-tokens", metavar="N", default=None, help="longest completion (default: the model's "
+        "generation_config.json max_new_tokens, which a run sets to its own; else 256)")
+    add("--limit", metavar="N", default=None, help="evaluate the first N prompts (default: all of a file; "
+        "256 of a builtin task, as a run)")
+    add("--batch-size", metavar="N", default="64", help="completions per generation call (default 64)")
+    add("--prompt-column", metavar="NAME", default="prompt", help="column holding the prompt (default: prompt)")
+    add("--system-prompt", metavar="TEXT", default=None, help="system message before each prompt (chat models)")
+    add("--max-prompt-length", metavar="N", default="512", help="longer prompts are refused (default 512)")
+    add("--pass-threshold", metavar="X", default="1.0", help="reward that counts as solved for pass@K (default 1.0)")
+    add("--base-model", metavar="DIR", default=None, help="base model of a LoRA adapter (default: the adapter's "
+        "base_model_name_or_path)")
+    add("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    add("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    add("--seed", metavar="N", default="0", help="sampling seed (default 0)")
+    add("--output", metavar="FILE", default="eval.json", help="JSON result file, replaced (default: eval.json)")
+
+
+def _eval_options(args: argparse.Namespace):
+    """``EvalOptions`` from the parsed strings; a ValueError names the flag of a value that does not convert."""
+    from grpo_fast.train.evaluation import EvalOptions
+
+    def convert(flag, kind, value):
+        if value is None:
+            return None
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{flag}: expected {'an int' if kind is int else 'a number'}, got {value!r}") from None
+
+    if not args.model or not args.dataset:
+        raise ValueError(f"{'--model' if not args.model else '--dataset'} is required (grpo-fast eval --help)")
+    return EvalOptions(
+        model=args.model, dataset=args.dataset, rewards=[r.strip() for r in args.rewards.split(",") if r.strip()],
+        reward_weights=[convert("--reward-weights", float, w) for w in args.reward_weights.split(",") if w.strip()],
+        samples=convert("--samples", int, args.samples), temperature=convert("--temperature", float, args.temperature),
+        top_p=convert("--top-p", float, args.top_p),
+        max_new_tokens=convert("--max-new-tokens", int, args.max_new_tokens),
+        limit=convert("--limit", int, args.limit), batch_size=convert("--batch-size", int, args.batch_size),
+        prompt_column=args.prompt_column, system_prompt=args.system_prompt,
+        max_prompt_length=convert("--max-prompt-length", int, args.max_prompt_length),
+        pass_threshold=convert("--pass-threshold", float, args.pass_threshold), base_model=args.base_model,
+        device=args.device, dtype=args.dtype, seed=convert("--seed", int, args.seed),
+    )
+
+
+def _model_command(args: argparse.Namespace) -> int:
+    """``grpo-fast export`` and ``grpo-fast eval``: bad input is one line naming the argument, exit code 2."""
+    import json
+
+    try:
+        if args.command == "export":
+            from grpo_fast.train.export import export_checkpoint
+
+            out = export_checkpoint(args.checkpoint, args.out_dir, merge_lora=args.merge_lora)
+            print(f"grpo-fast export: {args.checkpoint} -> {out}")
+            return 0
+        from grpo_fast.train.evaluation import evaluate_model, result_table
+
+        options = _eval_options(args)
+        output = Path(args.output)
+        if output.is_dir():
+            raise ValueError(f"--output: expected a file path, got the directory {str(output)!r}")
+        result = evaluate_model(options)
+    except _INPUT_ERRORS as e:
+        print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=1) + "\n")
+    print(result_table(result))
+    print(f"results: {output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     code = _parsed_elsewhere(argv)
@@ -203,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = Parser(prog="grpo-fast", description="GRPO with fused Triton kernels: no logits.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _export_parser(sub)
+    _eval_parser(sub)
     _elsewhere_parsers(sub)
     _doctor_parser(sub)
     args, unknown = parser.parse_known_args(argv)
@@ -214,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
                         else f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
     if hasattr(args, "run"):  # a subcommand that names its own function
         return args.run(args)
+    if args.command in ("export", "eval"):
+        return _model_command(args)
     if args.command != "train":  # "grpo-fast bench" without a benchmark name
         parser.parse_args([args.command, "--help"])
     return _train(args, argv)

@@ -53,6 +53,10 @@ class GRPOLossConfig:
     ``epsilon`` is the lower clip (TRL's ``epsilon_low``); ``epsilon_high=None`` means ``epsilon``. For ``cispo``,
     ``epsilon_high`` is the upper cap on the ratio (TRL recommends 5.0). ``temperature`` and ``softcap`` shape the
     logits exactly as at sampling time: ``z = softcap * tanh(z / softcap)``, then ``z / temperature``.
+    ``use_bias_correction_kl=True`` (TRL 1.16's default) multiplies the per-token k3 KL by the importance ratio
+    ``r = exp(logp - old_logp)``: ``beta * r * (exp(ref - logp) - (ref - logp) - 1)``. On policy (``old_logp =
+    logp.detach()``) ``r`` is 1 in value but not in gradient: the term's gradient is ``(logp - ref) * d logp``, the
+    score-function gradient of KL(policy || ref); without ``r`` (False) it is ``(1 - exp(ref - logp)) * d logp``.
     """
 
     loss_type: LossType | str = LossType.DAPO
@@ -63,7 +67,7 @@ class GRPOLossConfig:
     importance_sampling_level: str = "token"
     temperature: float = 1.0
     softcap: float | None = None
-    use_bias_correction_kl: bool = False
+    use_bias_correction_kl: bool = True
     max_completion_length: int | None = None
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05

@@ -54,6 +54,12 @@ def _parameters(out: Path, step: int) -> dict[str, torch.Tensor]:
         return torch.load(Path(tmp) / "full.pt", weights_only=False)["model"]
 
 
+def _saved_model(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(directory / "model.safetensors")
+
+
 def _steps(out: Path) -> list[dict]:
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [line for line in lines if "step" in line]
@@ -87,6 +93,13 @@ def test_two_processes_equal_one_process(tmp_path, one_process, strategy):
             assert got[key] == pytest.approx(want[key], rel=1e-12), key
         # FSDP2 adds the float32 squares of each shard's gradients first, then the shards' sums: another order
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-12 if strategy == "ddp" else 1e-6)
+    # the trained model leaves the run: FSDP2 gathers the full state dict on rank 0 for output_dir/model
+    _assert_same(_saved_model(out / "model"), _saved_model(one_process / "model"))
+    if strategy == "fsdp2":  # and grpo-fast export turns the sharded checkpoint into the same directory
+        exported = tmp_path / "exported"
+        subprocess.run([sys.executable, "-m", "grpo_fast", "export", str(out / "checkpoints" /
+                        f"checkpoint-{STEPS:06d}.dcp"), str(exported)], cwd=REPO, check=True, capture_output=True)
+        _assert_same(_saved_model(exported), _saved_model(one_process / "model"))
 
 
 def test_fsdp2_untied_lm_head_equals_one_process(tmp_path):

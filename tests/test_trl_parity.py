@@ -7,8 +7,8 @@
 - Advantages: a real ``GRPOTrainer`` (tiny Qwen2, offline) scores scripted rewards in
   ``_generate_and_score_completions``; its advantages are compared with ``group_advantages_reference``.
 
-Known divergences are tests too, not silences: strict xfails (the
-``use_bias_correction_kl`` default, TRL's fused-head entropy gradient precision) and the zero-spread-group test.
+Known divergences are tests too, not silences: a strict xfail (TRL's fused-head entropy gradient precision) and the
+zero-spread-group test.
 """
 
 from __future__ import annotations
@@ -234,9 +234,7 @@ def test_cases_exercise_every_clip_branch():
 _SHARED_FIELDS = [
     "loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "temperature",
     "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
-    "vespo_lambda_neg", "top_entropy_quantile", "entropy_coef",
-    pytest.param("use_bias_correction_kl", marks=pytest.mark.xfail(
-        strict=True, reason="TRL 1.16 GRPOConfig defaults use_bias_correction_kl=True; GRPOLossConfig has False")),
+    "vespo_lambda_neg", "top_entropy_quantile", "entropy_coef", "use_bias_correction_kl",
 ]
 # Not compared: max_completion_length (TRL 512; grpo-fast None = the batch's T) and softcap (TRL reads the model's
 # final_logit_softcapping, it is no GRPOConfig field).

@@ -27,7 +27,7 @@ LOSS_HELP = {
     "epsilon_high": "upper clip (1 + epsilon_high; None: epsilon); cispo's truncation bound",
     "delta": "two-sided clipping: cap the unclipped ratio at delta (None: off)",
     "importance_sampling_level": "token, or sequence (GSPO)",
-    "use_bias_correction_kl": "multiply the KL term by the importance ratio",
+    "use_bias_correction_kl": "multiply the KL term by the importance ratio (TRL 1.16's default; false: plain k3)",
     "sapo_temperature_pos": "SAPO gate temperature for positive advantages",
     "sapo_temperature_neg": "SAPO gate temperature for negative advantages",
     "vespo_k_pos": "VESPO k for positive advantages",
@@ -65,6 +65,8 @@ class TrainConfig:
                      "adapters disabled (needs peft)")
     lora_alpha: int = _f(16, "LoRA alpha")
     lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
+    merge_lora: bool = _f(False, "LoRA runs: write the adapters merged into the base weights to output_dir/model "
+                          "(a plain model directory) instead of the adapter in PEFT's format")
     gradient_checkpointing: bool = _f(False, "recompute decoder activations in the backward to save memory")
     distributed: str = _f("ddp", "under torchrun (WORLD_SIZE > 1): ddp (a replica per process) or fsdp2 (parameters, "
                           "gradients and optimizer states sharded with torch's fully_shard); ignored in one process")
@@ -105,10 +107,12 @@ class TrainConfig:
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_betas: list[float] = _f([0.9, 0.99], "AdamW betas")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
-    warmup_steps: int = _f(10, "linear learning-rate warm-up, in optimizer updates")
+    warmup_steps: int = _f(10, "linear learning-rate warm-up, in optimizer updates (update k, counted from 0, "
+                           "uses k / warmup_steps of lr: transformers' and TRL's schedules)")
     lr_schedule: str = _f("constant", "after warm-up: constant, linear (to 0), cosine (to 0)")
     # logging and checkpoints
-    output_dir: str = _f("runs/grpo-fast", "metrics.jsonl, the plot, config.json and checkpoints go here")
+    output_dir: str = _f("runs/grpo-fast", "metrics.jsonl, the plot, config.json, checkpoints/ and the trained model "
+                         "(model/: a save_pretrained directory) go here")
     log_every: int = _f(1, "write a metrics line every N steps")
     progress: bool = _f(True, "show a progress bar")
     plot: bool = _f(True, "write reward_kl.png at the end (needs matplotlib)")
@@ -189,6 +193,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.top_k must be an int >= 0 (0: off), got {self.top_k!r}")
         if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1:
             raise ValueError(f"TrainConfig.lora_alpha must be an int >= 1, got {self.lora_alpha!r}")
+        if self.merge_lora and not self.lora_r:
+            raise ValueError("TrainConfig.merge_lora needs a LoRA run (lora_r > 0): a full fine-tune writes full "
+                             "weights already; got lora_r=0")
         if not self.rewards:
             raise ValueError("TrainConfig.rewards must name at least one reward function, got an empty list")
         bad = [w for w in self.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))

@@ -53,13 +53,30 @@ def _has_weights(path: Path) -> bool:
     return any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or any(path.glob("*.safetensors.index.json"))
 
 
+def load_tokenizer(path: str | Path):
+    """The tokenizer saved in directory ``path``, left-padded: ``AutoTokenizer``, except where the directory's
+    tokenizer_config.json names the generic fast tokenizer (``TokenizersBackend`` / ``PreTrainedTokenizerFast``, as
+    the tiny model's does), which is loaded as such. transformers 5's ``AutoTokenizer`` maps every ``qwen2``
+    directory to ``Qwen2Tokenizer``, which rebuilds a byte-level BPE around the vocabulary and drops the tiny
+    character tokenizer's spaces."""
+    import json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    config_file = Path(path) / "tokenizer_config.json"
+    declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
+    if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        return PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
+    return AutoTokenizer.from_pretrained(path, padding_side="left")
+
+
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_dtype: torch.dtype):
     """The model (parameters in ``storage_dtype``, on ``device``, in train mode, dropout off) and its tokenizer."""
     if config.model == "tiny":
         tokenizer = tiny_tokenizer()
         model = tiny_model(tokenizer, config.seed)
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         path = Path(config.model)
         if not path.is_dir():
@@ -67,7 +84,7 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
                 f"TrainConfig.model: expected 'tiny' or a local model directory, got {config.model!r} (not a "
                 "directory; grpo-fast never downloads models: save one with save_pretrained first)"
             )
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model, padding_side="left")
+        tokenizer = load_tokenizer(config.tokenizer or config.model)
         if _has_weights(path):
             model = AutoModelForCausalLM.from_pretrained(config.model, dtype=storage_dtype)
         else:  # a config.json alone: the architecture with fresh weights from the seed

@@ -28,6 +28,7 @@ from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train import distributed as dist_
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.data import PromptSampler, check_prompts, load_located_records, render_prompt
+from grpo_fast.train.export import MODEL_DIR, base_model_path, full_state_dict, save_model
 from grpo_fast.train.forward import completion_hidden, head_of, unwrap
 from grpo_fast.train.metrics import MetricsLog, plot_metrics, read_steps
 from grpo_fast.train.model import (
@@ -104,11 +105,15 @@ def load_datasets(config: TrainConfig, tokenizer=None) -> tuple[list[dict], list
 
 
 def lr_lambda(config: TrainConfig, total_updates: int):
+    """The learning-rate factor of optimizer update ``update`` (counted from 0): transformers' schedules with warm-up
+    (``get_{constant,linear,cosine}_schedule_with_warmup``, TRL's ``lr_scheduler_type``), so update ``k < warmup``
+    uses ``k / warmup`` of the learning rate (the first update is made with lr 0) and update ``warmup`` the full
+    one."""
     warmup = config.warmup_steps
 
     def factor(update: int) -> float:
         if update < warmup:
-            return (update + 1) / warmup
+            return update / warmup
         if config.lr_schedule == "constant":
             return 1.0
         progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
@@ -460,24 +465,33 @@ def _accumulate(d: dict, key: str, value: float) -> None:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> float | None:
-    """Mean weighted reward of greedy completions on the held-out prompts (None without any)."""
+def evaluate(run: Run, samples: int = 1, params: SamplingParams | None = None,
+             scores: list[torch.Tensor] | None = None) -> float | None:
+    """Mean weighted reward of the held-out prompts' completions (None without any prompts): one greedy completion
+    per prompt by default (the run's before/after evaluation), or ``samples`` completions per prompt drawn with
+    ``params``. ``scores``, when given, receives one ``[samples]`` tensor of weighted rewards per prompt this rank
+    scored, in order (``grpo-fast eval``'s pass@k)."""
     if not run.eval_records:
         return None
-    params = SamplingParams(max_new_tokens=run.config.max_new_tokens, temperature=0.0)
+    params = params or SamplingParams(max_new_tokens=run.config.max_new_tokens, temperature=0.0)
     world = run.world
     mine = run.eval_records[world.rank :: world.size]  # greedy: any split gives the same completions
     total = 0.0
-    chunk = max(1, run.config.micro_batch_size)
+    chunk = max(1, run.config.micro_batch_size // samples)  # prompts per generation call
     # every rank makes the same number of generation calls (FSDP2 gathers weights in each); surplus calls are empty
     calls = math.ceil(math.ceil(len(run.eval_records) / world.size) / chunk)
     for i in range(calls):
         part = mine[i * chunk : (i + 1) * chunk]
-        _, completions = rollout(run, part or run.eval_records[:1], 1, params)  # a surplus call generates, unscored
+        # a surplus call generates, unscored; sampling seeds differ per call and rank
+        _, completions = rollout(run, part or run.eval_records[:1], samples, params,
+                                 first_chunk=world.rank * calls + i)
         if part:
-            total += float(weighted_reward(run, score(run, part, completions, 1)).sum())
+            rewards = weighted_reward(run, score(run, part, completions, samples))
+            total += float(rewards.sum())
+            if scores is not None:
+                scores.extend(rewards.view(len(part), samples))
     total, = dist_.sum_across([total], world, run.device)
-    return total / len(run.eval_records)
+    return total / (len(run.eval_records) * samples)
 
 
 def train_step(run: Run) -> dict:
@@ -561,7 +575,7 @@ def save_checkpoint(run: Run, directory: Path) -> Path:
 # options a resumed run may change; any other difference from the checkpoint's config is refused
 RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "keep_checkpoints", "resume",
                      "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl",
-                     "shared_prefix"}
+                     "shared_prefix", "merge_lora"}
 
 
 def load_checkpoint(run: Run, directory: Path) -> bool:
@@ -770,6 +784,7 @@ def fit(prepared: Prepared) -> Summary:
     except KeyboardInterrupt:
         raise TrainingInterrupted(f"stopped by Ctrl-C in the after-evaluation; all {run.step} steps are saved in "
                                   f"{path}", run.step, path, clean=False) from None
+    save_trained_model(run, prepared.out_dir / MODEL_DIR)
     if main:
         log.write_footer({"eval_after": eval_after})
         if config.plot:
@@ -778,9 +793,22 @@ def fit(prepared: Prepared) -> Summary:
                    time.perf_counter() - prepared.started)
 
 
+def save_trained_model(run: Run, directory: Path) -> None:
+    """The trained model as a ``save_pretrained`` directory (grpo_fast/train/export.py), written by rank 0; under
+    FSDP2 every rank first joins the gathering of the full state dict. With ``merge_lora`` the adapters are merged
+    into the model in place: call it last."""
+    state = full_state_dict(run.model, run.world)
+    if run.world.is_main:
+        save_model(run.model, run.tokenizer, directory, merge_lora=run.config.merge_lora, state_dict=state,
+                   base_model=base_model_path(run.config), max_new_tokens=run.config.max_new_tokens)
+        logger.info("trained model written to %s", directory)
+    dist_.barrier(run.world)
+
+
 def train(config: TrainConfig) -> Summary:
     """Runs ``config.steps`` GRPO steps; returns the before/after evaluation. Metrics go to
-    ``output_dir/metrics.jsonl``, checkpoints to ``output_dir/checkpoints``."""
+    ``output_dir/metrics.jsonl``, checkpoints to ``output_dir/checkpoints``, the trained model to
+    ``output_dir/model`` (``save_pretrained``)."""
     return fit(prepare(config))
 
 

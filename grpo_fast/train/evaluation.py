@@ -1,0 +1,196 @@
+"""``grpo-fast eval``: the run's own held-out evaluation (``trainer.evaluate``) for any saved model.
+
+The model directory is what a run leaves in ``output_dir/model`` or what ``grpo-fast export`` writes: full weights,
+or a PEFT adapter (loaded onto its base model and merged). The prompts, the reward functions, the chat template and
+the generation are the trainer's (``trainer.rollout``, ``trainer.score``), so greedy decoding of the held-out split
+of a run reproduces its ``eval_after`` exactly. With ``samples`` K > 1 every prompt gets K completions sampled at
+``temperature``: mean@K is the mean reward over all of them, pass@K the fraction of prompts with at least one
+completion whose (weighted) reward reaches ``pass_threshold``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ADAPTER_CONFIG = "adapter_config.json"
+DEFAULT_MAX_NEW_TOKENS = 256  # when the model's generation_config.json does not say
+
+
+@dataclass
+class EvalOptions:
+    """What ``grpo-fast eval`` takes; ``check`` names the flag of a bad value."""
+
+    model: str
+    dataset: str
+    rewards: list[str] = field(default_factory=lambda: ["math"])
+    reward_weights: list[float] = field(default_factory=list)
+    samples: int = 1
+    temperature: float | None = None  # None: greedy for one sample, 1.0 for several
+    top_p: float = 1.0
+    max_new_tokens: int | None = None  # None: the model's generation_config max_new_tokens, else 256
+    limit: int | None = None
+    batch_size: int = 64
+    prompt_column: str = "prompt"
+    system_prompt: str | None = None
+    max_prompt_length: int = 512
+    pass_threshold: float = 1.0
+    base_model: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+
+    def check(self) -> None:
+        for flag, value in (("--samples", self.samples), ("--batch-size", self.batch_size),
+                            ("--max-prompt-length", self.max_prompt_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{flag}: expected an int >= 1, got {value!r}")
+        for flag, value in (("--limit", self.limit), ("--max-new-tokens", self.max_new_tokens)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{flag}: expected an int >= 1, got {value!r}")
+        if self.temperature is not None and not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"--temperature: expected a number >= 0 (0: greedy), got {self.temperature!r}")
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"--temperature 0 is greedy decoding: the {self.samples} samples of --samples would all "
+                             "be the same completion; sample with a temperature > 0, or use --samples 1")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"--top-p: expected a number in (0, 1], got {self.top_p!r}")
+        if not math.isfinite(self.pass_threshold):
+            raise ValueError(f"--pass-threshold: expected a finite number, got {self.pass_threshold!r}")
+        if not self.rewards:
+            raise ValueError("--rewards: expected at least one reward function, got none")
+        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ValueError(f"--reward-weights: expected one weight per reward ({len(self.rewards)}), got "
+                             f"{len(self.reward_weights)}")
+        model = Path(self.model)
+        if not model.is_dir() or not ((model / "config.json").is_file() or (model / ADAPTER_CONFIG).is_file()):
+            raise FileNotFoundError(f"--model: expected a model directory (output_dir/model of a run, or grpo-fast "
+                                    f"export's OUT_DIR: config.json or {ADAPTER_CONFIG} inside), got {self.model!r}")
+        if not self.dataset.startswith("builtin:") and not Path(self.dataset).is_file():
+            raise FileNotFoundError(f"--dataset: expected builtin:NAME or a .jsonl/.json/.parquet file, got "
+                                    f"{self.dataset!r}")
+
+    @property
+    def sampling_temperature(self) -> float:
+        if self.temperature is not None:
+            return self.temperature
+        return 0.0 if self.samples == 1 else 1.0
+
+
+def load_saved_model(directory: str | Path, config, base_model: str | None = None):
+    """(model, tokenizer) of a saved model directory, in eval mode, parameters in the compute dtype: full weights
+    through the trainer's loader, or a PEFT adapter on its base (``base_model``, else the adapter's
+    ``base_model_name_or_path``), merged."""
+    import dataclasses
+
+    from grpo_fast.train.model import load_model_and_tokenizer, resolve_device, resolve_dtype
+
+    directory = Path(directory)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    adapter = directory / ADAPTER_CONFIG
+    if not adapter.is_file():
+        model, tokenizer = load_model_and_tokenizer(config, device, dtype)
+        return model.eval(), tokenizer
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ImportError(f"--model: {directory} holds a LoRA adapter; loading it needs peft (pip install peft)"
+                          ) from None
+    base = base_model or json.loads(adapter.read_text()).get("base_model_name_or_path") or ""
+    if not base or not Path(base).is_dir():
+        raise FileNotFoundError(
+            f"--base-model: the adapter in {directory} needs its base model directory; its {ADAPTER_CONFIG} names "
+            f"{base!r}, which is not a directory (the built-in tiny model has none: export its run with --merge-lora)"
+        )
+    base_config = dataclasses.replace(config, model=base, tokenizer=str(directory))
+    model, tokenizer = load_model_and_tokenizer(base_config, device, dtype)
+    model = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
+    return model.eval(), tokenizer
+
+
+def evaluate_model(options: EvalOptions) -> dict:
+    """Runs the evaluation; returns the JSON-ready result (the options, the metrics and every prompt's rewards)."""
+    from grpo_fast.config import GRPOLossConfig
+    from grpo_fast.train.config import TrainConfig
+    from grpo_fast.train.distributed import PolicyForward
+    from grpo_fast.train.model import resolve_dtype
+    from grpo_fast.train.rewards import load_reward
+    from grpo_fast.train.rollout import SamplingParams
+    from grpo_fast.train.trainer import Run, evaluate, load_datasets
+
+    options.check()
+    model_dir = Path(options.model)
+    saved_tokens = _generation_max_new_tokens(model_dir)
+    max_new_tokens = options.max_new_tokens or saved_tokens or DEFAULT_MAX_NEW_TOKENS
+    # a builtin task: its held-out split, 256 prompts as in a run; a file: all its prompts
+    eval_size = options.limit or (256 if options.dataset.startswith("builtin:") else 2**62)
+    # the run's view of the options (validated there too); the dataset's prompts are the held-out set
+    config = TrainConfig(
+        model=str(model_dir), dataset=options.dataset, eval_dataset=options.dataset, rewards=list(options.rewards),
+        reward_weights=list(options.reward_weights), eval_size=eval_size,
+        micro_batch_size=options.batch_size, max_new_tokens=max_new_tokens, prompt_column=options.prompt_column,
+        system_prompt=options.system_prompt, max_prompt_length=options.max_prompt_length, device=options.device,
+        dtype=options.dtype, seed=options.seed, loss=GRPOLossConfig(), output_dir="unused",
+    )
+    try:  # the rewards and the prompts before the model: bad input fails fast
+        reward_funcs = [load_reward(name) for name in options.rewards]
+    except (ValueError, ImportError, AttributeError, TypeError) as e:
+        raise type(e)(f"--rewards: {e}") from None
+    _, records = load_datasets(config)
+    if not records:
+        raise ValueError(f"--dataset: {options.dataset} has no prompts")
+    torch.manual_seed(options.seed)
+    model, tokenizer = load_saved_model(model_dir, config, options.base_model)
+    device = next(model.parameters()).device
+    run = Run(config=config, model=model, ref_model=None, tokenizer=tokenizer, optimizer=None, scheduler=None,
+              sampler=None, reward_funcs=reward_funcs,
+              reward_weights=torch.tensor(options.reward_weights or [1.0] * len(options.rewards)),
+              loss_config=None, eval_records=records, device=device, dtype=resolve_dtype(options.dtype, device),
+              policy=PolicyForward(model))
+    temperature = options.sampling_temperature
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=options.top_p)
+    scores: list[torch.Tensor] = []
+    mean = evaluate(run, samples=options.samples, params=params, scores=scores)
+    per_prompt = torch.stack(scores)  # [prompts, samples]
+    passed = (per_prompt >= options.pass_threshold).any(dim=1)
+    k = options.samples
+    return {
+        "model": str(model_dir), "dataset": options.dataset, "rewards": list(options.rewards),
+        "reward_weights": list(options.reward_weights) or [1.0] * len(options.rewards), "prompts": len(records),
+        "samples": k, "decoding": "greedy" if temperature == 0 else "sampled", "temperature": temperature,
+        "top_p": options.top_p, "max_new_tokens": max_new_tokens, "seed": options.seed,
+        "pass_threshold": options.pass_threshold,
+        f"mean@{k}": mean, f"pass@{k}": float(passed.float().mean()),
+        "per_prompt": [{"prompt": r[options.prompt_column], "rewards": s.tolist()}
+                       for r, s in zip(records, per_prompt)],
+    }
+
+
+def _generation_max_new_tokens(model_dir: Path) -> int | None:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("max_new_tokens")
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def result_table(result: dict) -> str:
+    """The result as a two-column markdown table."""
+    k = result["samples"]
+    decoding = ("greedy" if result["decoding"] == "greedy"
+                else f"sampled, temperature {result['temperature']:g}, top_p {result['top_p']:g}")
+    rows = [
+        ("model", result["model"]), ("dataset", f"{result['dataset']} ({result['prompts']} prompts)"),
+        ("rewards", ", ".join(f"{n} x {w:g}" for n, w in zip(result["rewards"], result["reward_weights"]))),
+        ("completions per prompt", f"{k} ({decoding}, at most {result['max_new_tokens']} new tokens)"),
+        (f"mean@{k} (mean reward)", f"{result[f'mean@{k}']:.4f}"),
+        (f"pass@{k} (reward >= {result['pass_threshold']:g})", f"{result[f'pass@{k}']:.4f}"),
+    ]
+    width = max(len(a) for a, _ in rows)
+    lines = [f"| {'':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
+    return "\n".join(lines + [f"| {a:<{width}} | {b} |" for a, b in rows])

@@ -1,0 +1,177 @@
+"""Trained models that leave the trainer: a ``save_pretrained`` directory any transformers user can load.
+
+At the end of every run ``output_dir/model/`` holds the trained model (``save_model``), and ``grpo-fast export
+CHECKPOINT OUT_DIR`` makes the same directory from any checkpoint (``export_checkpoint``):
+
+- full fine-tuning: ``model.safetensors`` (float32, the trained master weights), ``config.json``,
+  ``generation_config.json`` and the tokenizer (``tokenizer.json``, ``tokenizer_config.json`` with its chat template,
+  if it has one): ``AutoModelForCausalLM.from_pretrained(DIR)``, ``AutoTokenizer.from_pretrained(DIR)``,
+  ``vllm.LLM(model=DIR)``.
+- LoRA: the adapter in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``) and the tokenizer:
+  ``PeftModel.from_pretrained(base, DIR)``; ``adapter_config.json`` names the base model's directory (for the built-in
+  tiny model, which has none, ``base_model_name_or_path`` is empty). ``merge_lora`` writes the merged full weights
+  instead, a plain model directory like the one above.
+- FSDP2: the sharded parameters are gathered into a full state dict on rank 0 (``get_model_state_dict`` with
+  ``full_state_dict=True, cpu_offload=True``), which rank 0 writes.
+
+The directory is written under a temporary name and renamed when complete, so a stopped run never leaves half a
+model; an earlier ``model/`` in the same place is replaced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from grpo_fast.train import checkpoint as ckpt
+from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.forward import unwrap
+
+MODEL_DIR = "model"  # inside output_dir
+
+
+def is_peft(model) -> bool:
+    return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
+
+
+def full_state_dict(model, world) -> dict[str, torch.Tensor] | None:
+    """Under FSDP2, the full (unsharded) model state dict on the CPU of rank 0 (None on the other ranks);
+    collective: every rank calls it. None for a model that is not sharded (its own parameters are whole).
+
+    A tied parameter (the lm_head sharing the embedding) appears once, under its first name, as ``save_pretrained``
+    writes it from an unsharded model: the gathered copies no longer share storage, which is how
+    ``save_pretrained`` would recognise them."""
+    if world.strategy != "fsdp2" or not world.distributed:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            state.pop(name, None)
+    return state if world.is_main else None
+
+
+def save_model(model, tokenizer, directory: str | Path, *, merge_lora: bool = False,
+               state_dict: dict[str, torch.Tensor] | None = None, base_model: str | None = None,
+               max_new_tokens: int | None = None) -> Path:
+    """Writes ``model`` (a transformers causal LM or a PEFT model around one) and ``tokenizer`` to ``directory`` with
+    ``save_pretrained``; returns the directory.
+
+    ``state_dict``: the weights to write instead of the model's own (FSDP2's gathered full state dict).
+    ``merge_lora``: a PEFT model is merged into its base (in place: the model then has no adapters) and written as
+    full weights; otherwise a PEFT model writes its adapter only, and ``base_model`` (a directory) is recorded as its
+    ``base_model_name_or_path``. ``max_new_tokens``: the completion length the model was trained with, written to
+    its generation config (the default length of ``generate``, vLLM and ``grpo-fast eval``).
+    """
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        if is_peft(model) and merge_lora:
+            if state_dict is not None:
+                raise ValueError("save_model: merge_lora with a gathered state_dict is not supported")
+            model = model.merge_and_unload()
+        if is_peft(model):
+            for config in model.peft_config.values():
+                config.base_model_name_or_path = base_model or ""
+            model.save_pretrained(tmp)
+            _set_generation_config(model, tokenizer, max_new_tokens)
+            unwrap(model).generation_config.save_pretrained(tmp)  # PEFT ignores it; grpo-fast eval reads it
+        else:
+            _set_generation_config(model, tokenizer, max_new_tokens)
+            model.save_pretrained(tmp, state_dict=state_dict)
+        tokenizer.save_pretrained(tmp)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def _set_generation_config(model, tokenizer, max_new_tokens: int | None) -> None:
+    """A generation config that stops where the trainer stopped: at the tokenizer's EOS (a model built from a
+    config alone may have none) and, when given, after ``max_new_tokens``."""
+    generation = getattr(unwrap(model), "generation_config", None)
+    if generation is None:
+        return
+    if generation.eos_token_id is None:
+        generation.eos_token_id = tokenizer.eos_token_id
+    if generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.pad_token_id
+    if max_new_tokens is not None:
+        generation.max_new_tokens = max_new_tokens
+
+
+def base_model_path(config: TrainConfig) -> str | None:
+    """The base model's directory as an absolute path (what a LoRA adapter records); None for the tiny model."""
+    return None if config.model == "tiny" else str(Path(config.model).resolve())
+
+
+# ------------------------------------------------------------------------------------------------ export
+
+
+def _trainer_state(path: Path) -> tuple[dict, bool]:
+    """(the checkpoint's saved state, whether it is an FSDP2 directory)."""
+    if path.is_dir() and (path / ckpt.TRAINER_STATE).is_file():
+        return torch.load(path / ckpt.TRAINER_STATE, map_location="cpu", weights_only=False), True
+    if path.is_file():
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=False)
+        except Exception as e:  # a file that is not a torch checkpoint
+            raise ValueError(f"CHECKPOINT: {path} is not a grpo-fast checkpoint ({type(e).__name__}: {e})") from None
+        if isinstance(state, dict) and "model" in state and "config" in state:
+            return state, False
+        raise ValueError(f"CHECKPOINT: {path} is not a grpo-fast checkpoint (no 'model' and 'config' entries)")
+    raise FileNotFoundError(f"CHECKPOINT: expected a checkpoint-*.pt file or a checkpoint-*.dcp directory (holding "
+                            f"{ckpt.TRAINER_STATE}), got {str(path)!r}")
+
+
+def checkpoint_config(saved: dict) -> TrainConfig:
+    """The run's ``TrainConfig`` from a checkpoint's saved dict, on the CPU (fields this version lacks are dropped)."""
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in saved.items() if k in known}
+    return TrainConfig(**{**values, "device": "cpu", "dtype": "float32", "resume": False})
+
+
+def load_checkpoint_model(checkpoint: str | Path):
+    """(model, tokenizer, config) of a checkpoint, on the CPU in float32: the run's model rebuilt from its config
+    (the tiny model from its seed, or the ``--model`` directory, which must still exist) with the checkpoint's
+    weights, LoRA adapters included."""
+    from grpo_fast.train.model import attach_lora, load_model_and_tokenizer
+
+    path = Path(checkpoint)
+    state, sharded = _trainer_state(path)
+    config = checkpoint_config(state["config"])
+    model, tokenizer = load_model_and_tokenizer(config, torch.device("cpu"), torch.float32)
+    if config.lora_r > 0:
+        model = attach_lora(model, config)
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+
+        weights = {"model": model.state_dict()}
+        dcp.load(weights, checkpoint_id=str(path), no_dist=True)  # only the model's entries are read
+        model.load_state_dict(weights["model"])
+    else:
+        model.load_state_dict(state["model"])
+    model.eval()
+    return model, tokenizer, config
+
+
+def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool = False) -> Path:
+    """``grpo-fast export``: the ``save_pretrained`` directory (what ``output_dir/model/`` holds at the end of a run)
+    of a single-file or FSDP2 checkpoint."""
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"OUT_DIR: {out} exists and is not an empty directory; choose a new one")
+    model, tokenizer, config = load_checkpoint_model(checkpoint)
+    if merge_lora and not is_peft(model):
+        raise ValueError(f"--merge-lora: {checkpoint} is not a LoRA run (lora_r=0): there is nothing to merge")
+    return save_model(model, tokenizer, out, merge_lora=merge_lora, base_model=base_model_path(config),
+                      max_new_tokens=config.max_new_tokens)

@@ -1,0 +1,85 @@
+"""``grpo-fast eval`` (grpo_fast/train/evaluation.py): the run's own evaluation for a saved model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from train_helpers import small_config
+
+from grpo_fast.cli import main
+from grpo_fast.train import fit, prepare
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    prepared = prepare(small_config(tmp, steps=3, eval_size=32))
+    summary = fit(prepared)
+    return summary, tmp / "run" / "model"
+
+
+def _eval(tmp_path, capsys, *args):
+    out = tmp_path / "eval.json"
+    assert main(["eval", *args, "--output", str(out)]) == 0, capsys.readouterr().err
+    return json.loads(out.read_text()), capsys.readouterr().out
+
+
+def test_greedy_eval_of_the_saved_model_is_the_runs_eval_after(trained, tmp_path, capsys):
+    summary, model_dir = trained
+    result, printed = _eval(tmp_path, capsys, "--model", str(model_dir), "--dataset", "builtin:digits",
+                            "--limit", "32")
+    assert result["decoding"] == "greedy" and result["samples"] == 1 and result["prompts"] == 32
+    assert result["max_new_tokens"] == 3  # the run's, from the model's generation_config.json
+    assert result["mean@1"] == summary.eval_after
+    assert len(result["per_prompt"]) == 32 and all(len(p["rewards"]) == 1 for p in result["per_prompt"])
+    assert result["pass@1"] == sum(p["rewards"][0] >= 1.0 for p in result["per_prompt"]) / 32
+    assert "| mean@1 (mean reward)" in printed and f"{summary.eval_after:.4f}" in printed
+
+
+def test_sampled_eval_reports_mean_and_pass_at_k(trained, tmp_path, capsys):
+    _, model_dir = trained
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": f"max {a} {b} 2=", "answer": str(max(a, b, 2))}) + "\n"
+                            for a, b in [(1, 5), (7, 3), (0, 0), (9, 8), (4, 6)]))
+    args = ("--model", str(model_dir), "--dataset", str(data), "--prompt-column", "question", "--samples", "4",
+            "--rewards", "math,tests/train_helpers.py:starts_with_seven", "--reward-weights", "1,0.5")
+    result, printed = _eval(tmp_path, capsys, *args)
+    assert result["decoding"] == "sampled" and result["temperature"] == 1.0 and result["prompts"] == 5
+    rewards = [p["rewards"] for p in result["per_prompt"]]
+    assert [len(r) for r in rewards] == [4] * 5
+    assert result["mean@4"] == pytest.approx(sum(map(sum, rewards)) / 20, rel=1e-12)
+    assert result["pass@4"] == sum(max(r) >= 1.0 for r in rewards) / 5
+    assert {v for r in rewards for v in r} <= {0.0, 0.5, 1.0, 1.5}
+    assert "| pass@4 (reward >= 1)" in printed
+    again, _ = _eval(tmp_path, capsys, *args)  # seeded: the same samples
+    assert again["per_prompt"] == result["per_prompt"]
+
+
+@pytest.mark.parametrize("args,flag", [
+    ([], "--model"),
+    (["--model", "MODEL"], "--dataset"),
+    (["--model", "nowhere", "--dataset", "builtin:digits"], "--model"),
+    (["--model", "MODEL", "--dataset", "missing.jsonl"], "--dataset"),
+    (["--model", "MODEL", "--dataset", "builtin:digits", "--samples", "0"], "--samples"),
+    (["--model", "MODEL", "--dataset", "builtin:digits", "--samples", "two"], "--samples"),
+    (["--model", "MODEL", "--dataset", "builtin:digits", "--samples", "4", "--temperature", "0"], "--temperature"),
+    (["--model", "MODEL", "--dataset", "builtin:digits", "--top-p", "0"], "--top-p"),
+    (["--model", "MODEL", "--dataset", "builtin:digits", "--reward-weights", "1,2"], "--reward-weights"),
+    (["--model", "MODEL", "--dataset", "builtin:digits", "--rewards", "nosuch"], "nosuch"),
+])
+def test_bad_input_is_one_line_naming_the_flag(trained, capsys, args, flag):
+    _, model_dir = trained
+    args = [str(model_dir) if a == "MODEL" else a for a in args]
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("grpo-fast eval: error: ") and flag in err, err
+
+
+def test_help_explains(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    for phrase in ("--samples", "mean@K", "pass@K", "--temperature", "eval_after", "--base-model"):
+        assert phrase in text, phrase
