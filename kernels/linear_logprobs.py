@@ -191,12 +191,12 @@ class TileConfig:
 # for addresses: a 32-wide H slice keeps them spill-free on sm_80/86/89 and CDNA. fp32 tiles are twice the bytes of
 # 16-bit ones: with a TF32 dot the 32-wide slice keeps three stages within 99 KiB of shared memory; an IEEE fp32 dot
 # (no tensor cores: FMAs from registers) spilled 8-144 bytes at 64 x 128 x 32 on every NVIDIA target and spills
-# nothing at 64 x 64 x 16. sm_100a caps these
-# kernels at 128 registers a thread: the 16-bit forward without entropy spilled 24 bytes at 3 stages and spills
-# nothing at 4 (98 KiB of its 227 KiB).
+# nothing at 64 x 32 x 16 without software pipelining (64 x 64 x 16 still spilled 8-32 bytes on sm_86/89/90a).
+# sm_100a caps these kernels at 128 registers a thread: the 16-bit forward without entropy spilled 24 bytes at 3
+# stages and spills nothing at 4 (98 KiB of its 227 KiB).
 _WIDE = TileConfig(64, 128, 64, 8, 3)
 _NARROW = TileConfig(64, 128, 32, 8, 3)
-_IEEE = TileConfig(64, 64, 16, 8, 2)
+_IEEE = TileConfig(64, 32, 16, 8, 1)
 CONFIGS: dict[tuple[str, str, bool], tuple[TileConfig, TileConfig]] = {
     (family, kind, aligned): (cfg, cfg)
     for family in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "cdna")
