@@ -6,8 +6,10 @@
 (NaN where undefined) in one call. Absent optional outputs are empty tensors (custom ops return tensors only).
 
 CUDA graphs. ``logprobs_bwd`` finds the rows with a non-zero upstream gradient (``nonzero``, a host sync): it is
-tagged ``torch.Tag.cudagraph_unsafe``, so ``torch.compile(mode="reduce-overhead")`` runs it outside the captured
-graphs (Inductor partitions around it) instead of failing at capture. ``loss_terms`` has no host sync or host-to-device
+tagged ``torch.Tag.cudagraph_unsafe`` (torch >= 2.9), so ``torch.compile(mode="reduce-overhead")`` does not capture
+it: Inductor runs it between captured partitions (graph partitioning, on by default in recent torch) or skips CUDA
+graphs for that graph, instead of failing at capture. The public functions validate their inputs on the host (a
+sync): capture the compiled step, not a call of ``grpo_loss`` itself. ``loss_terms`` has no host sync or host-to-device
 copy left that we know of (the top-entropy quantile is taken without a boolean index, scalars are made by fills), but
 no GPU has captured it yet, so it keeps the tag until ``tests/test_gpu_ready.py``'s CUDA capture test has passed on
 one. ``logprobs_fwd`` has no host sync and no tag.
