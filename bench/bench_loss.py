@@ -96,14 +96,12 @@ def make_loss(impl: str, x: dict, device: str, softcap):
         if softcap is not None:
             raise ValueError("Liger's LigerFusedLinearGRPOLoss has no final-logit softcapping")
         try:
-            from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+            import liger_kernel.chunked_loss  # noqa: F401
         except ImportError as e:
             raise ImportError("impl 'liger' needs liger-kernel: pip install 'grpo-fast[bench]'") from e
+        from grpo_fast.doctor import liger_loss
         cfg = _loss_config(None)
-        liger = LigerFusedLinearGRPOLoss(
-            beta=cfg.beta, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.eps_high, loss_type=cfg.loss_type.value,
-            temperature=cfg.temperature, use_ref_model=True, compiled=torch.device(device).type == "cuda",
-        )
+        liger = liger_loss(cfg, compiled=torch.device(device).type == "cuda")
 
         def step():
             loss, _metrics = liger(x["hidden"], x["weight"], x["target_ids"], x["completion_mask"],

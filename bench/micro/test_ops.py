@@ -165,13 +165,9 @@ def test_fused_logprobs_forward_backward(benchmark, impl, size, inputs):
 
 # ------------------------------------------------------------------------------------------------------ grpo_loss
 def _liger_loss(x: dict, config: GRPOLossConfig) -> torch.Tensor:
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
+    from grpo_fast.doctor import liger_loss
 
-    liger = LigerFusedLinearGRPOLoss(
-        beta=config.beta, epsilon_low=config.epsilon_low, epsilon_high=config.eps_high,
-        loss_type=config.loss_type.value, temperature=config.temperature, use_ref_model=config.beta != 0.0,
-        use_bias_correction_kl=config.use_bias_correction_kl, compiled=False,
-    )
+    liger = liger_loss(config)
     loss, _metrics = liger(x["hidden"], x["weight"], x["target_ids"], x["completion_mask"], x["advantages"],
                            ref_per_token_logps=x["ref_logps"] if config.beta != 0.0 else None)
     return loss
