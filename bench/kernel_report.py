@@ -268,11 +268,19 @@ def specialise(launch: Launch, target: Target) -> tuple[dict, dict, dict, dict]:
     return signature, constexprs, attrs, options.__dict__
 
 
+_TRITON_DIR = str(Path(triton.__file__).resolve().parent)
+
+
 def _key(launch: Launch, target_name: str, signature, constexprs, attrs, options) -> str:
+    """The row's cache key. Options hold absolute paths (libdevice, ROCm's bitcode libraries inside the triton
+    package): they are made relative to the package, so that the key is the same in every checkout and venv."""
+    def plain_option(v) -> str:
+        return repr(v).replace(_TRITON_DIR, "<triton>").replace(str(Path(triton.__file__).parent), "<triton>")
+
     blob = json.dumps([triton.__version__, launch.kernel.cache_key, target_name, signature,
                        sorted((list(k), _plain(v)) for k, v in constexprs.items()),
                        sorted((list(k), v) for k, v in attrs.items()),
-                       sorted((k, repr(v)) for k, v in options.items())], default=repr)
+                       sorted((k, plain_option(v)) for k, v in options.items())], default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

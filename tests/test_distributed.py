@@ -130,7 +130,8 @@ def test_fsdp2_checkpoint_resumes_to_the_same_parameters(tmp_path, one_process):
 
 
 def test_prompts_that_do_not_split_evenly_are_refused(tmp_path):
-    # each rank exits with 2 (bad input) and torchrun reports the failure with its own exit code 1
+    # each rank exits with 2 (bad input; the flag named, since it came from the command line) and torchrun reports
+    # the failure with its own exit code 1
     log = _train(tmp_path / "run", 2, "--steps", "1", "--prompts-per-step", "3", expect_rc=1)
     assert "exitcode  : 2" in log
-    assert "TrainConfig.prompts_per_step must be a multiple of the 2 processes" in log
+    assert "--prompts-per-step must be a multiple of the 2 processes" in log

@@ -613,8 +613,10 @@ def test_disk_watchdog_kills_a_child_past_the_budget(size, limits):
     assert f"the directory passed {limits.max_files} files or {limits.disk_mb} MiB" in result.detail
 
 
-def test_disk_watchdog_sees_a_writer_quicker_than_one_poll():
-    # 30 MB written and done before the first 50 ms poll: the final check still finds the directory over 1 MiB
+def test_disk_watchdog_sees_a_writer_quicker_than_one_poll(monkeypatch):
+    # 30 MB written and done between two polls (made 60 s apart here, so only the check when the child is done can
+    # see it): that check finds the directory over 1 MiB, and the child's own "all passed" does not override it
+    monkeypatch.setattr(sandbox, "_POLL_S", 60.0)
     code = "for i in range(300):\n    open(f'f{i}', 'wb').write(b'x' * 100_000)\n"
     limits = SandboxLimits(timeout_s=5.0, cpu_time_s=10.0, disk_mb=1, max_files=1000)
     result, layers = sandbox._run_child(code, ["assert True"], limits, frozenset({"namespaces"}))

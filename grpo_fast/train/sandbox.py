@@ -519,10 +519,11 @@ def _verdict(
     passed = len(reports.passed)
     if streams.output_bytes > limits.max_output_bytes:
         status, reason = "output_limit", f"the output passed {limits.max_output_bytes} bytes"
+    elif stopped == "disk_limit":  # also when the child reported done first: a run past the budget scores nothing
+        status, reason = "disk_limit", (f"the directory passed {limits.max_files} files or {limits.disk_mb} MiB")
+        passed = 0
     elif reports.done:
         status, reason = ("error" if reports.code_error else "ok" if passed == total else "failed"), ""
-    elif stopped == "disk_limit":
-        status, reason = "disk_limit", (f"the directory passed {limits.max_files} files or {limits.disk_mb} MiB")
     elif stopped == "timeout":
         status, reason = "timeout", f"still running after {limits.timeout_s:g} s"
     elif returncode < 0:
