@@ -69,8 +69,8 @@ def tf32_allowed() -> bool:
         return False
 
 
-# GPU families whose every launch the static gate compiles and holds (bench/kernel_report.py); auto uses the
-# kernels only on these
+# GPU families whose every launch the static gate compiles and holds (bench/kernel_report.py): the keys of the
+# log-prob launchers' configuration table; auto uses the kernels only on these (family_of)
 GATED_FAMILIES = ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "cdna")
 _SM_FAMILIES = (80, 86, 89, 90, 100, 120)
 _CDNA = ("gfx90a", "gfx942")

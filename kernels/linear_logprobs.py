@@ -199,7 +199,7 @@ _NARROW = TileConfig(64, 128, 32, 8, 3)
 _IEEE = TileConfig(64, 32, 16, 8, 1)
 CONFIGS: dict[tuple[str, str, bool], tuple[TileConfig, TileConfig]] = {
     (family, kind, aligned): (cfg, cfg)
-    for family in ("sm80", "sm86", "sm89", "sm90", "sm100", "sm120", "cdna")
+    for family in dispatch.GATED_FAMILIES
     for kind, aligned, cfg in (("16bit", True, _WIDE), ("16bit", False, _NARROW), ("tf32", True, _NARROW),
                                ("tf32", False, _NARROW), ("ieee", True, _IEEE), ("ieee", False, _IEEE))
 }
@@ -213,14 +213,15 @@ def aligned(*tensors: torch.Tensor) -> bool:
     return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[-1] % 16 == 0 for t in tensors)
 
 
-def tile_configs(device: torch.device, dtype: torch.dtype, h: int, is_aligned: bool) -> tuple[TileConfig, TileConfig]:
+def tile_configs(device: torch.device, dtype: torch.dtype, h: int, is_aligned: bool,
+                 precision: str | None) -> tuple[TileConfig, TileConfig]:
     """The (forward, backward) launch configurations for inputs of ``dtype``, hidden size ``h`` and alignment on
-    ``device`` (for float32, by the dot's precision: see ``_precision``)."""
+    ``device``; float32 by the dot's ``precision`` (from ``_precision``)."""
     if triton_interpreting() and not capturing():
         block_n, block_v, block_h = _INTERPRET_BLOCKS
         cfg = TileConfig(block_n, block_v, min(block_h, triton.next_power_of_2(h)), 4, 1)
         return cfg, cfg
-    kind = _precision(device, dtype)[1] if dtype == torch.float32 else "16bit"
+    kind = precision if dtype == torch.float32 else "16bit"
     return CONFIGS[(current_target(device).family, kind, is_aligned)]
 
 
@@ -249,8 +250,8 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
     log_s = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return logps, (ent if return_entropy else None), m, log_s
-    cfg = tile_configs(dev, hidden.dtype, h, aligned(hidden, weight))[0]
     upcast, precision = _precision(dev, hidden.dtype)
+    cfg = tile_configs(dev, hidden.dtype, h, aligned(hidden, weight), precision)[0]
     launch(
         _linear_logprob_fwd, (triton.cdiv(n, cfg.block_n),),
         hidden, weight, weight if bias is None else bias, target_ids, logps, ent, m, log_s,
@@ -269,8 +270,8 @@ def linear_logprob_dlogits(h_rows, w_chunk, bias_chunk, y_local, stats, g, ge, t
     r, h = h_rows.shape
     c = w_chunk.shape[0]
     dz = torch.empty(r, c, dtype=out_dtype, device=h_rows.device)
-    cfg = tile_configs(h_rows.device, h_rows.dtype, h, aligned(h_rows, w_chunk))[1]
     upcast, precision = _precision(h_rows.device, h_rows.dtype)
+    cfg = tile_configs(h_rows.device, h_rows.dtype, h, aligned(h_rows, w_chunk), precision)[1]
     dummy = stats
     launch(
         _linear_logprob_dlogits, (triton.cdiv(r, cfg.block_n), triton.cdiv(c, cfg.block_v)),
