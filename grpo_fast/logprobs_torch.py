@@ -174,7 +174,7 @@ def torch_tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1
     """``dz [R, C]`` (acc dtype): d loss / d raw logits of rows ``h_r [R, H]`` against the vocab chunk ``[c0, c1)``.
 
     ``dz = g (onehot - p) - ge p (log p + H)``, divided by the temperature and times ``1 - tanh^2`` under softcap.
-    m_r, logs_r, ent_r: ``[R, 1]``; g_r, ge_r: ``[R]`` or None. The Triton backward swaps in its own kernel here.
+    m_r, logs_r, ent_r: ``[R, 1]``; g_r, ge_r: ``[R]`` or None.
     """
     z, u = _tile(h_r, w_c, bias_c, params, acc, True)
     logp = z.sub_(m_r).sub_(logs_r)  # (z - m) - log s, exact at large logit offsets
@@ -197,7 +197,7 @@ def torch_tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1
     return dz
 
 
-def _backward(ctx, g: Tensor | None, ge: Tensor | None, tile_grad=torch_tile_grad):
+def _backward(ctx, g: Tensor | None, ge: Tensor | None):
     hidden, weight, target_ids, bias, m_all, logs_all, ent = ctx.saved_tensors
     params: LogprobParams = ctx.params
     need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
@@ -240,7 +240,7 @@ def _backward(ctx, g: Tensor | None, ge: Tensor | None, tile_grad=torch_tile_gra
             dw_c = gw[c0:c1] if same else torch.zeros(c1 - c0, h, dtype=acc, device=hidden.device)
         for t0, t1, idx, y_r, g_r, ge_r, m_r, logs_r, ent_r in rows:
             h_r = _rows(hidden, t0, t1, idx)
-            dz = tile_grad(h_r, w_c, None if bias_acc is None else bias_acc[c0:c1], y_r, g_r, ge_r, m_r, logs_r,
+            dz = torch_tile_grad(h_r, w_c, None if bias_acc is None else bias_acc[c0:c1], y_r, g_r, ge_r, m_r, logs_r,
                            ent_r, c0, c1, params, acc)
             if need_b:
                 db[c0:c1] += dz.sum(0)

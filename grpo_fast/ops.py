@@ -72,17 +72,22 @@ def logprobs_bwd(
     token_chunk: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (d hidden, d weight, d bias; empty where not needed) by the shared chunked backward."""
+    if impl == "triton":
+        from grpo_fast.kernels.linear_logprobs import active_rows, linear_logprob_backward
+
+        g = None if _absent(g) else g.float().contiguous()
+        ge = None if _absent(ge) else ge.float().contiguous()
+        gh, gw, gb = linear_logprob_backward(
+            hidden, weight, target_ids, bias, m, log_s, None if _absent(entropy) else entropy, g, ge, temperature,
+            softcap, need_hidden, need_weight, need_bias and bias is not None, rows=active_rows(g, ge))
+        empty = lambda: hidden.new_empty(_EMPTY)  # noqa: E731 (outputs must not alias each other)
+        return (empty() if gh is None else gh), (empty() if gw is None else gw), (empty() if gb is None else gb)
     params = LogprobParams(temperature, softcap, not _absent(entropy), vocab_chunk, token_chunk)
     ctx = types.SimpleNamespace(
         saved_tensors=(hidden, weight, target_ids, bias, m, log_s, None if _absent(entropy) else entropy),
         params=params, needs_input_grad=(need_hidden, need_weight, False, need_bias and bias is not None, False),
     )
-    tile_grad = {}
-    if impl == "triton":
-        from grpo_fast.logprobs_triton import triton_tile_grad
-
-        tile_grad = dict(tile_grad=triton_tile_grad)
-    gh, gw, _, gb, _ = _backward(ctx, None if _absent(g) else g, None if _absent(ge) else ge, **tile_grad)
+    gh, gw, _, gb, _ = _backward(ctx, None if _absent(g) else g, None if _absent(ge) else ge)
     empty = lambda: hidden.new_empty(_EMPTY)  # noqa: E731 (outputs must not alias each other)
     return (empty() if gh is None else gh), (empty() if gw is None else gw), (empty() if gb is None else gb)
 

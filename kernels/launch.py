@@ -13,13 +13,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Iterator
 
 import torch
 
 from grpo_fast.dispatch import device_index, device_target, family_of
 
-_CAPTURE: contextvars.ContextVar[tuple[list, Any] | None] = contextvars.ContextVar("grpo_fast_capture", default=None)
+_CAPTURE: contextvars.ContextVar[tuple[list, Any, int] | None] = contextvars.ContextVar("grpo_fast_capture",
+                                                                                        default=None)
+# SMs (CUs) a launcher assumes under the interpreter: few, so that small test shapes take the split paths too
+INTERPRETER_SMS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,9 +78,10 @@ def launch(kernel, grid: tuple[int, ...], *args, num_warps: int, num_stages: int
 
 
 @contextlib.contextmanager
-def capture(target: Target) -> Iterator[list[Launch]]:
-    """Record the launches made inside the block (nothing runs) as if the device were ``target``."""
-    token = _CAPTURE.set(([], target))
+def capture(target: Target, sms: int = 132) -> Iterator[list[Launch]]:
+    """Record the launches made inside the block (nothing runs) as if the device were ``target`` with ``sms``
+    streaming multiprocessors (compute units)."""
+    token = _CAPTURE.set(([], target, sms))
     try:
         yield _CAPTURE.get()[0]
     finally:
@@ -98,3 +103,19 @@ def current_target(device: torch.device) -> Target:
         return Target("cuda", 90, 32)
     backend, arch, _ = device_target(device_index(device))
     return Target(backend, arch, 64 if backend == "hip" and family_of(backend, arch) else 32)
+
+
+def current_sms(device: torch.device) -> int:
+    """Streaming multiprocessors (AMD: compute units) of ``device``: the capture's count inside ``capture``,
+    ``INTERPRETER_SMS`` for a CPU tensor (the interpreter)."""
+    recorded = _CAPTURE.get()
+    if recorded is not None:
+        return recorded[2]
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return _sm_count(device_index(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

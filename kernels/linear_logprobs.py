@@ -1,38 +1,42 @@
-"""Per-token log-prob and entropy of ``softmax(shape(h W^T + b))`` from hidden states and the lm_head weight.
+"""Per-token log-prob and entropy of ``softmax(shape(h W^T + b))`` from hidden states and the lm_head weight, shaped
+for a GPU: the matmuls are cuBLAS GEMMs over vocabulary chunks, the softmax work is two memory-bound Triton kernels,
+and nothing of size ``N x V`` exists at any time.
 
-Forward (``_linear_logprob_fwd``): one program per block of BLOCK_N tokens walks the vocabulary in BLOCK_V tiles;
-each tile of logits is built by ``tl.dot`` over BLOCK_H slices of H with fp32 accumulation, shaped (bias, softcap,
-1/temperature, tiles past V masked to -inf) and folded into an online max ``m``, ``s = sum exp(z - m)``,
-``t = sum exp(z - m) (z - m)`` and the target logit. Outputs per token: ``logp = (z_y - m) - log s``,
-``entropy = log s - t / s``, ``m`` and ``log s``. Nothing of size ``N x V`` is written. Traffic: W is read once per
-token block (N / BLOCK_N times), hidden once; 2NHV FLOPs.
+Forward (``linear_logprob_forward``). For each vocabulary chunk ``[c0, c0 + C)``: one GEMM writes the chunk's raw
+logits ``h @ W[c0:c0+C]^T`` (``[N, C]``, input dtype, into one reused buffer), then ``_chunk_stats`` shapes them
+(bias, softcap, 1 / temperature) and folds them into per-row running statistics: the max ``m`` (fp32), ``s = sum
+exp(z - m)`` and ``t = sum exp(z - m)(z - m)`` (float64: they carry over every chunk) and the target logit. When there
+are fewer row blocks than twice the GPU's SMs, each chunk's columns are split over ``S`` programs per row block, each
+keeping its own statistics; ``_stats_finalize`` merges the ``S`` partial statistics in a fixed order (deterministic)
+into ``logp = (z_y - m) - log s``, ``entropy = log s - t / s``, ``m`` and ``log s``. Launches: ``2 V / C + 1``.
 
-Backward (``_linear_logprob_dlogits``): for one slab of (active) token rows and one vocabulary chunk it recomputes the
-logits tile and writes ``dz = (g (onehot - p) - ge p (log p + H)) / temperature * (1 - tanh^2)`` into a bounded
-``[rows, chunk]`` buffer; the launcher multiplies it into ``dh`` and ``dW`` with two matmuls (cuBLAS on GPU) in the
-shared chunk loop of ``grpo_fast.logprobs_torch`` (vocab chunks outer, so each dW chunk is written once: no fp32
-``V x H`` buffer, no atomics, deterministic). Rows whose upstream gradients are exactly zero are never visited.
+Backward (``linear_logprob_backward``). Vocabulary chunks outer, over the active rows only (rows whose upstream
+gradients are not both exactly zero; gathered once): per chunk one GEMM recomputes the raw logits of all active rows,
+``_chunk_dlogits`` turns them in place into ``dz = (g (onehot - p) - ge p (log p + H)) / temperature (1 - tanh^2)``
+in the input dtype, then ``dW[c0:c0+C] = dz^T @ h`` is one GEMM with K = the active rows (written once: no fp32
+``V x H`` buffer, no atomics, deterministic) and ``dh += dz @ W[c0:c0+C]`` is one GEMM accumulating into an fp32
+``[rows, H]`` matrix (``out_dtype``: fp32 accumulation inside cuBLAS, no rounded product, no second pass); ``db`` is a
+column sum. Launches: ``4 V / C`` plus a handful. FLOPs: ``8 N H V`` with the forward.
 
-Specialisations. Every constexpr combination is a separate compile on the user's GPU (and in the static gate,
-``bench/kernel_report.py``), so only what changes the code's cost is a constexpr: the input dtype, RETURN_ENTROPY
-(the forward's extra sum) and the tile configuration. Bias, softcap and which upstream gradients exist are runtime
-flags (uniform branches: a handful of elementwise ops per tile next to the ``tl.dot``). Sizes (N, V, R, C) only mask,
-so Triton does not specialise them; H and the row strides keep Triton's divisibility-by-16 specialisation (vector
-loads), as do the pointers (16-byte alignment). Per input dtype a launcher therefore produces 2 forward and 1
-backward specialisations, times aligned / unaligned inputs.
+Memory. The forward's logits buffer and the backward's ``dz`` buffer are bounded by ``scratch_bytes()`` (64 MiB unless
+``GRPO_FAST_SCRATCH_MIB`` says otherwise). When the weight's gradient is wanted, the backward walks the vocabulary from
+the end and keeps its ``dz`` buffer in the rows of ``grad_weight`` that no chunk has written yet, so its chunks are
+larger than the budget allows (fewer launches) at no memory cost; the first rows of the vocabulary, where that space
+runs out, go through a budget-sized buffer. The gathered active rows live in ``grad_hidden``'s storage until the end.
+The fp32 ``dh`` accumulator (``4 N H`` bytes; none for float32 inputs without gathering) is the one temporary that
+grows with N: DESIGN.md §5 accumulates ``dh`` in fp32, and a vocabulary-outer sweep must hold it for every row.
 
-Launch configurations (tiles, warps, stages) come from ``CONFIGS``, keyed on the GPU family (``launch.Target.family``)
-and the input dtype; each entry is held by the static gate to zero spills, shared memory within the family's limit and
-tensor-core instructions on every target of the family. float32 inputs reach these kernels on a GPU only when the user
-allowed TF32 matmuls (``grpo_fast.dispatch``): their ``tl.dot`` then runs in TF32, like cuBLAS would.
+The plan. Every GEMM, kernel and torch op goes through a ``plan.Plan``, which records it; ``bench/cost_model.py``
+prices the plan these same functions produce on meta tensors for a named GPU.
 
-Limits: the grid is ``cdiv(N, BLOCK_N)`` programs on axis 0 (no 65535 limit); element offsets are int64 (V * H may
-exceed 2^31). Under TRITON_INTERPRET=1 tiles are upcast to fp32 before an IEEE ``tl.dot`` (UPCAST), since the
-interpreter's bf16 dot is wrong, and the interpreter gets few large tiles (it runs one program per tile in numpy).
+Specialisations. Only the input dtype, RETURN_ENTROPY and the tile sizes are constexprs; bias, softcap and which
+upstream gradients exist are runtime flags; sizes and chunk offsets are not specialised. Under TRITON_INTERPRET=1 the
+kernels run as they are (no ``tl.dot``: bf16 is exact in the interpreter too).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +45,12 @@ import triton.language as tl
 
 from grpo_fast import dispatch
 from grpo_fast.dispatch import triton_interpreting
-from grpo_fast.kernels.launch import capturing, current_target, launch
+from grpo_fast.kernels.launch import capturing, current_sms, current_target
+from grpo_fast.kernels.plan import Plan
+
+DEFAULT_SCRATCH_MIB = 64
+_CHUNK_ALIGN = 128  # vocabulary chunks are multiples of this many columns (GEMM-friendly, whole column tiles)
+_MAX_CHUNK = 16384  # a chunk kept in grad_weight's free rows is at most this wide
 
 
 @triton.jit
@@ -51,198 +60,242 @@ def _tanh(x):
 
 
 @triton.jit
-def _logits_tile(
-    h_ptr, w_ptr, b_ptr, rn, rv, nmask, vmask, H, stride_h, stride_w, inv_temp, softcap, has_bias, has_softcap,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Shaped fp32 logits ``[BLOCK_N, BLOCK_V]`` (-inf past V) and tanh(raw / softcap) for the chain rule.
-    ``rn`` and ``rv`` are int64 (``rv * stride_w`` reaches V * H)."""
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        rh = h0 + tl.arange(0, BLOCK_H)
-        hmask = rh < H
-        a = tl.load(h_ptr + rn[:, None] * stride_h + rh[None, :], mask=nmask[:, None] & hmask[None, :], other=0.0)
-        b = tl.load(w_ptr + rv[:, None] * stride_w + rh[None, :], mask=vmask[:, None] & hmask[None, :], other=0.0)
-        if UPCAST:  # under the interpreter: exact fp32 products
-            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-        else:  # bf16 / fp16 tensor-core dot (fp32 inputs: TF32), fp32 accumulation
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
+def _shape(x, b_ptr, c0, rc, cmask, inv_temp, softcap, has_bias, has_softcap):
+    """Shaped fp32 logits from raw fp32 ``x [BLOCK_N, BLOCK_C]`` (columns ``rc`` of the chunk starting at ``c0``),
+    and tanh(raw / softcap) for the chain rule."""
     if has_bias:
-        acc += tl.load(b_ptr + rv, mask=vmask, other=0.0).to(tl.float32)[None, :]
-    u = acc
+        x += tl.load(b_ptr + c0 + rc, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    u = x
     if has_softcap:
-        u = _tanh(acc / softcap)
-        acc = softcap * u
-    z = acc * inv_temp
-    z = tl.where(vmask[None, :], z, float("-inf"))
-    return z, u
+        u = _tanh(x / softcap)
+        x = softcap * u
+    return x * inv_temp, u
 
 
-@triton.jit(do_not_specialize=["N", "V", "has_bias", "has_softcap"])
-def _linear_logprob_fwd(
-    h_ptr,  # [N, H] hidden, row stride stride_h
-    w_ptr,  # [V, H] weight, row stride stride_w
-    b_ptr,  # [V] bias (read when has_bias)
+@triton.jit(do_not_specialize=["N", "C", "c0", "stride_z", "split", "first", "has_bias", "has_softcap"])
+def _chunk_stats(
+    z_ptr,  # [N, C] raw logits of the chunk (row stride stride_z), input dtype
+    b_ptr,  # [V] bias (read when has_bias), indexed from c0
     y_ptr,  # [N] int64 target ids
-    logp_ptr,  # [N] fp32 out
-    ent_ptr,  # [N] fp32 out (RETURN_ENTROPY)
-    m_ptr,  # [N] fp32 out: running max
-    logs_ptr,  # [N] fp32 out: log sum exp(z - m)
-    N, V, H, stride_h, stride_w, inv_temp, softcap,
-    has_bias,  # int 0/1
-    has_softcap,  # int 0/1
-    RETURN_ENTROPY: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    m_ptr,  # [S, N] fp32 running max, one row per column split
+    s_ptr,  # [S, N] fp64 running sum exp(z - m)
+    t_ptr,  # [S, N] fp64 running sum exp(z - m) (z - m) (RETURN_ENTROPY)
+    zy_ptr,  # [N] fp32 target logit, written by the program whose columns hold the target
+    N, C, c0, stride_z, split, inv_temp, softcap,
+    first,  # int 0/1: the first chunk (start the statistics instead of loading them)
+    has_bias, has_softcap,  # ints 0/1
+    RETURN_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1).to(tl.int64)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
-    y = tl.load(y_ptr + rn, mask=nmask, other=0)
-    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    # s and t carry across all V / BLOCK_V tiles (1187 at V=151936): float64 keeps them from drifting; [BLOCK_N] only
-    s = tl.zeros((BLOCK_N,), tl.float64)
-    t = tl.zeros((BLOCK_N,), tl.float64)
+    state = pid_s * N + rn
+    if first:
+        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_N,), tl.float64)
+        t = tl.zeros((BLOCK_N,), tl.float64)
+    else:
+        m = tl.load(m_ptr + state, mask=nmask, other=float("-inf"))
+        s = tl.load(s_ptr + state, mask=nmask, other=0.0)
+        t = tl.zeros((BLOCK_N,), tl.float64)
+        if RETURN_ENTROPY:
+            t = tl.load(t_ptr + state, mask=nmask, other=0.0)
+    y = tl.load(y_ptr + rn, mask=nmask, other=-1) - c0
     zy = tl.zeros((BLOCK_N,), tl.float32)
-    for v0 in range(0, V, BLOCK_V):
-        rv = v0 + tl.arange(0, BLOCK_V).to(tl.int64)
-        vmask = rv < V
-        z, u = _logits_tile(h_ptr, w_ptr, b_ptr, rn, rv, nmask, vmask, H, stride_h, stride_w, inv_temp, softcap,
-                            has_bias, has_softcap, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H)
-        zy += tl.sum(tl.where(rv[None, :] == y[:, None], z, 0.0), 1)
+    found = tl.zeros((BLOCK_N,), tl.int32)
+    lo = pid_s * split
+    hi = tl.minimum(lo + split, C)
+    for j0 in range(lo, hi, BLOCK_C):
+        rc = j0 + tl.arange(0, BLOCK_C)
+        cmask = rc < hi
+        x = tl.load(z_ptr + rn[:, None] * stride_z + rc[None, :], mask=nmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        z, _ = _shape(x, b_ptr, c0, rc, cmask, inv_temp, softcap, has_bias, has_softcap)
+        z = tl.where(cmask[None, :], z, float("-inf"))
+        hit = rc[None, :] == y[:, None]
+        zy += tl.sum(tl.where(hit, z, 0.0), 1)
+        found += tl.sum(hit.to(tl.int32), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
-        delta = tl.where(s > 0, m - m_new, 0.0)  # m = -inf before the first tile, where s = t = 0
+        delta = tl.where(s > 0, m - m_new, 0.0)  # m = -inf before the first column, where s = t = 0
         alpha = tl.exp(delta).to(tl.float64)
         zm = z - m_new[:, None]
         e = tl.exp(zm)
         if RETURN_ENTROPY:
-            t = alpha * (t + delta.to(tl.float64) * s) + tl.sum(tl.where(vmask[None, :], e * zm, 0.0), 1).to(tl.float64)
+            t = alpha * (t + delta.to(tl.float64) * s) + tl.sum(tl.where(cmask[None, :], e * zm, 0.0), 1).to(tl.float64)
         s = alpha * s + tl.sum(e, 1).to(tl.float64)
         m = m_new
+    tl.store(m_ptr + state, m, mask=nmask)
+    tl.store(s_ptr + state, s, mask=nmask)
+    if RETURN_ENTROPY:
+        tl.store(t_ptr + state, t, mask=nmask)
+    tl.store(zy_ptr + rn, zy, mask=nmask & (found > 0))
+
+
+@triton.jit(do_not_specialize=["N", "S"])
+def _stats_finalize(
+    m_ptr, s_ptr, t_ptr,  # [S, N] partial statistics (fp32, fp64, fp64)
+    zy_ptr,  # [N] fp32 target logit
+    logp_ptr, ent_ptr, mo_ptr, logs_ptr,  # [N] fp32 outputs (ent_ptr when RETURN_ENTROPY)
+    N, S,
+    RETURN_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn < N
+    big_m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    for j in range(0, S):
+        big_m = tl.maximum(big_m, tl.load(m_ptr + j * N + rn, mask=nmask, other=float("-inf")))
+    s = tl.zeros((BLOCK_N,), tl.float64)
+    t = tl.zeros((BLOCK_N,), tl.float64)
+    for j in range(0, S):  # a fixed order: the same sums whatever the schedule
+        sj = tl.load(s_ptr + j * N + rn, mask=nmask, other=0.0)
+        d = tl.where(sj > 0, tl.load(m_ptr + j * N + rn, mask=nmask, other=0.0) - big_m, 0.0)  # empty split: 0
+        a = tl.where(sj > 0, tl.exp(d).to(tl.float64), 0.0)
+        s += a * sj
+        if RETURN_ENTROPY:
+            t += a * (tl.load(t_ptr + j * N + rn, mask=nmask, other=0.0) + d.to(tl.float64) * sj)
+    s = tl.where(nmask, s, 1.0)  # rows past N: no log(0)
     log_s = tl.log(s).to(tl.float32)
-    tl.store(logp_ptr + rn, (zy - m) - log_s, mask=nmask)
-    tl.store(m_ptr + rn, m, mask=nmask)
+    zy = tl.load(zy_ptr + rn, mask=nmask, other=0.0)
+    tl.store(logp_ptr + rn, (zy - big_m) - log_s, mask=nmask)
+    tl.store(mo_ptr + rn, big_m, mask=nmask)
     tl.store(logs_ptr + rn, log_s, mask=nmask)
     if RETURN_ENTROPY:
         tl.store(ent_ptr + rn, log_s - (t / s).to(tl.float32), mask=nmask)
 
 
-@triton.jit(do_not_specialize=["R", "C", "has_bias", "has_softcap", "has_g", "has_ge"])
-def _linear_logprob_dlogits(
-    h_ptr,  # [R, H] hidden rows of this slab
-    w_ptr,  # [C, H] weight rows of this vocab chunk
-    b_ptr,  # [C] bias of this chunk (read when has_bias)
-    y_ptr,  # [R] target ids, already shifted by the chunk start
-    stat_ptr,  # [R, 3] fp32: m, log s, entropy
-    g_ptr,  # [R] fp32 d loss / d logp (read when has_g)
-    ge_ptr,  # [R] fp32 d loss / d entropy (read when has_ge)
-    dz_ptr,  # [R, C] out: d loss / d raw logits, in dz_ptr's dtype
-    R, C, H, stride_h, stride_w, inv_temp, softcap,
+@triton.jit(do_not_specialize=["R", "C", "c0", "stride_z", "has_bias", "has_softcap", "has_g", "has_ge"])
+def _chunk_dlogits(
+    z_ptr,  # [R, C] in: raw logits of the chunk; out: d loss / d raw logits (in place, same dtype)
+    b_ptr,  # [V] bias (read when has_bias), indexed from c0
+    y_ptr,  # [R] int64 target ids
+    m_ptr, logs_ptr, ent_ptr,  # [R] fp32 statistics of the forward (ent_ptr read when has_ge)
+    g_ptr, ge_ptr,  # [R] fp32 d loss / d logp (has_g), d loss / d entropy (has_ge)
+    R, C, c0, stride_z, inv_temp, softcap,
     has_bias, has_softcap, has_g, has_ge,  # ints 0/1
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_n = tl.program_id(0).to(tl.int64)
-    pid_v = tl.program_id(1).to(tl.int64)
+    pid_c = tl.program_id(1).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    rc = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     nmask = rn < R
-    vmask = rv < C
-    z, u = _logits_tile(h_ptr, w_ptr, b_ptr, rn, rv, nmask, vmask, H, stride_h, stride_w, inv_temp, softcap,
-                        has_bias, has_softcap, UPCAST, PRECISION, BLOCK_N, BLOCK_V, BLOCK_H)
-    m = tl.load(stat_ptr + rn * 3, mask=nmask, other=0.0)
-    log_s = tl.load(stat_ptr + rn * 3 + 1, mask=nmask, other=0.0)
-    logp = (z - m[:, None]) - log_s[:, None]
+    cmask = rc < C
+    mask = nmask[:, None] & cmask[None, :]
+    ptrs = z_ptr + rn[:, None] * stride_z + rc[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    z, u = _shape(x, b_ptr, c0, rc, cmask, inv_temp, softcap, has_bias, has_softcap)
+    m = tl.load(m_ptr + rn, mask=nmask, other=0.0)
+    log_s = tl.load(logs_ptr + rn, mask=nmask, other=0.0)
+    logp = (z - m[:, None]) - log_s[:, None]  # (z - m) - log s: exact at large logit offsets
     p = tl.exp(logp)
-    dz = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    dz = tl.zeros((BLOCK_N, BLOCK_C), tl.float32)
     if has_ge:
-        ent = tl.load(stat_ptr + rn * 3 + 2, mask=nmask, other=0.0)
+        ent = tl.load(ent_ptr + rn, mask=nmask, other=0.0)
         ge = tl.load(ge_ptr + rn, mask=nmask, other=0.0)
-        dz -= p * tl.where(vmask[None, :], logp + ent[:, None], 0.0) * ge[:, None]
+        dz -= p * (logp + ent[:, None]) * ge[:, None]
     if has_g:
         g = tl.load(g_ptr + rn, mask=nmask, other=0.0)
-        y = tl.load(y_ptr + rn, mask=nmask, other=-1)
-        onehot = (rv[None, :] == y[:, None]).to(tl.float32)
-        dz += g[:, None] * (onehot - p)
+        y = tl.load(y_ptr + rn, mask=nmask, other=-1) - c0
+        dz += g[:, None] * ((rc[None, :] == y[:, None]).to(tl.float32) - p)
     dz = dz * inv_temp
     if has_softcap:
         dz = dz * (1.0 - u * u)
-    out_mask = nmask[:, None] & vmask[None, :]
-    tl.store(dz_ptr + rn[:, None] * C + rv[None, :], dz.to(dz_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(ptrs, dz.to(z_ptr.dtype.element_ty), mask=mask)
 
 
+# ------------------------------------------------------------------------------------------------ configurations
 @dataclass(frozen=True)
 class TileConfig:
-    """One launch configuration: a ``[BLOCK_N, BLOCK_V]`` logits tile built from ``BLOCK_H``-wide slices of H."""
+    """A ``[block_n, block_c]`` tile of the chunk buffer per loop step (per program for ``_chunk_dlogits``)."""
 
     block_n: int
-    block_v: int
-    block_h: int
+    block_c: int
     num_warps: int
-    num_stages: int
 
 
-# (GPU family, "16bit" | "tf32" | "ieee", aligned) -> (forward, backward dz) configurations. Every entry passes the static
-# gate on every target of its family (bench/kernel_report.py, tests/test_kernel_gate.py): no spills, shared memory
-# within the per-block limit, tensor-core instructions. Chosen by compiling candidates through the gate, not tuned on
-# hardware (no GPU has run them yet). 8 warps keep the fp32 [BLOCK_N, BLOCK_V] tile and its exp temporaries under
-# the register cap where 4 warps sit at 255 registers (sm_80, sm_90a) or spill (sm_120). Unaligned inputs (a
-# misaligned ``hidden`` view, H or a row stride not a multiple of 16) load element by element, which costs registers
-# for addresses: a 32-wide H slice keeps them spill-free on sm_80/86/89 and CDNA. fp32 tiles are twice the bytes of
-# 16-bit ones: with a TF32 dot the 32-wide slice keeps three stages within 99 KiB of shared memory; an IEEE fp32 dot
-# (no tensor cores: FMAs from registers) spilled 8-144 bytes at 64 x 128 x 32 on every NVIDIA target and spills
-# nothing at 64 x 32 x 16 without software pipelining (64 x 64 x 16 still spilled 8-32 bytes on sm_86/89/90a).
-# sm_100a caps these kernels at 128 registers a thread: the 16-bit forward without entropy spilled 24 bytes at 3
-# stages and spills nothing at 4 (98 KiB of its 227 KiB).
-_WIDE = TileConfig(64, 128, 64, 8, 3)
-_NARROW = TileConfig(64, 128, 32, 8, 3)
-_IEEE = TileConfig(64, 32, 16, 8, 1)
-CONFIGS: dict[tuple[str, str, bool], tuple[TileConfig, TileConfig]] = {
-    (family, kind, aligned): (cfg, cfg)
-    for family in dispatch.GATED_FAMILIES
-    for kind, aligned, cfg in (("16bit", True, _WIDE), ("16bit", False, _NARROW), ("tf32", True, _NARROW),
-                               ("tf32", False, _NARROW), ("ieee", True, _IEEE), ("ieee", False, _IEEE))
+# (GPU family, N bucket) -> configuration of the memory-bound kernels. The kernels stream the chunk buffer once, so
+# the tile only has to keep loads coalesced (256 contiguous columns: 512 bytes of bf16 per row) and registers low;
+# fewer rows per program for small N keep more programs in flight before the column split is needed. Held by the
+# static gate (no spills, shared memory within limits) on every target of the family; not tuned on hardware.
+N_BUCKETS = ((4096, "small"), (None, "large"))
+_SMALL = TileConfig(16, 256, 4)
+_LARGE = TileConfig(32, 256, 8)
+CONFIGS: dict[tuple[str, str], TileConfig] = {
+    (family, bucket): cfg for family in dispatch.GATED_FAMILIES for bucket, cfg in (("small", _SMALL), ("large", _LARGE))
 }
-CONFIGS[("sm100", "16bit", True)] = (TileConfig(64, 128, 64, 8, 4),) * 2
-_INTERPRET_BLOCKS = (32, 128, 128)  # the interpreter runs one program per tile in numpy: few, large tiles are fastest
+_INTERPRET = TileConfig(32, 128, 4)  # the interpreter runs one program per tile in numpy: few, large tiles
 
 
-def aligned(*tensors: torch.Tensor) -> bool:
-    """Whether Triton specialises every pointer and row stride of these ``[rows, H]`` tensors (and H) as divisible by
-    16 (bytes for pointers, elements for strides), i.e. whether it can vectorise their loads."""
-    return all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[-1] % 16 == 0 for t in tensors)
+def n_bucket(n: int) -> str:
+    return next(name for bound, name in N_BUCKETS if bound is None or n <= bound)
 
 
-def tile_configs(device: torch.device, dtype: torch.dtype, h: int, is_aligned: bool,
-                 precision: str | None) -> tuple[TileConfig, TileConfig]:
-    """The (forward, backward) launch configurations for inputs of ``dtype``, hidden size ``h`` and alignment on
-    ``device``; float32 by the dot's ``precision`` (from ``_precision``)."""
+def tile_config(device: torch.device, n: int) -> TileConfig:
+    """The configuration of the memory-bound kernels for ``n`` rows on ``device``."""
     if triton_interpreting() and not capturing():
-        block_n, block_v, block_h = _INTERPRET_BLOCKS
-        cfg = TileConfig(block_n, block_v, min(block_h, triton.next_power_of_2(h)), 4, 1)
-        return cfg, cfg
-    kind = precision if dtype == torch.float32 else "16bit"
-    return CONFIGS[(current_target(device).family, kind, is_aligned)]
+        return _INTERPRET
+    return CONFIGS[(current_target(device).family, n_bucket(n))]
 
 
-def _precision(device: torch.device, dtype: torch.dtype) -> tuple[bool, str | None]:
-    """(UPCAST, PRECISION): the interpreter's exact fp32 dot; else the hardware dot: 16-bit inputs at the backend's
-    default; fp32 inputs in TF32 when the user allowed TF32 (``dispatch.tf32_allowed``, PyTorch's own switches) and
-    the target has it (CDNA2 has not), else exact IEEE fp32 (no tensor cores: ``auto`` sends that case to cuBLAS)."""
-    if triton_interpreting() and not capturing():
-        return True, "ieee"
-    if dtype != torch.float32:
-        return False, None
-    target = current_target(device)
-    tf32 = dispatch.tf32_allowed() and (target.backend, target.arch) != ("hip", "gfx90a")
-    return False, "tf32" if tf32 else "ieee"
+def column_splits(n: int, c: int, cfg: TileConfig, sms: int) -> int:
+    """How many programs share a row block's columns of each chunk: enough for two programs per SM when the row
+    blocks alone are fewer, at most one per ``block_c`` columns."""
+    row_blocks = triton.cdiv(max(n, 1), cfg.block_n)
+    if row_blocks >= 2 * sms:
+        return 1
+    return max(1, min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(c, cfg.block_c)))
 
 
-def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softcap, return_entropy):
+def scratch_bytes() -> int:
+    """The temporaries budget of the log-prob launchers: ``GRPO_FAST_SCRATCH_MIB`` MiB (default 64)."""
+    raw = os.environ.get("GRPO_FAST_SCRATCH_MIB", str(DEFAULT_SCRATCH_MIB))
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = -1.0
+    if not mib > 0:
+        raise ValueError(f"GRPO_FAST_SCRATCH_MIB must be a positive number of MiB, got {raw!r}")
+    return int(mib * 2**20)
+
+
+def budget_chunk(rows: int, elem: int, v: int, budget: int) -> int:
+    """The widest vocabulary chunk whose ``[rows, C]`` buffer of ``elem``-byte elements fits ``budget`` (a multiple
+    of 128 columns, at least 128, at most V)."""
+    c = budget // max(rows * elem, 1) // _CHUNK_ALIGN * _CHUNK_ALIGN
+    return min(v, max(_CHUNK_ALIGN, c))
+
+
+def backward_chunks(v: int, rows: int, h: int, elem: int, budget: int, in_weight: bool) -> list[tuple[int, int, bool]]:
+    """``(c0, c1, in_weight)`` for the backward, last chunk of the vocabulary first. ``in_weight``: the ``dz`` buffer
+    lives in rows ``[0, ceil(rows C / H))`` of grad_weight, which must lie below ``c0`` (chunks not yet written);
+    the widest such chunk is ``C <= c1 H / (H + rows)``. Once that is no wider than the budget's chunk, the rest goes
+    through the budget-sized buffer."""
+    small = budget_chunk(rows, elem, v, budget)
+    chunks = []
+    end = v
+    while end > 0:
+        if in_weight:
+            c = min(_MAX_CHUNK, end * h // (h + rows) // _CHUNK_ALIGN * _CHUNK_ALIGN)
+            if c > small and triton.cdiv(rows * c, h) <= end - c:
+                chunks.append((end - c, end, True))
+                end -= c
+                continue
+        c = min(small, end)
+        chunks.append((end - c, end, False))
+        end -= c
+    return chunks
+
+
+# ------------------------------------------------------------------------------------------------ launchers
+def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, *, plan=None,
+                           budget=None):
     """hidden [N, H], weight [V, H], target_ids [N] -> (logps, entropy or None, m, log_s), each [N] fp32."""
+    plan = Plan() if plan is None else plan
+    budget = scratch_bytes() if budget is None else budget
     n, h = hidden.shape
     v = weight.shape[0]
-    assert hidden.stride(1) == 1 and weight.stride(1) == 1, "hidden and weight need unit stride along H"
     dev = hidden.device
     logps = torch.empty(n, dtype=torch.float32, device=dev)
     ent = torch.empty(n, dtype=torch.float32, device=dev) if return_entropy else logps
@@ -250,36 +303,151 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
     log_s = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
         return logps, (ent if return_entropy else None), m, log_s
-    upcast, precision = _precision(dev, hidden.dtype)
-    cfg = tile_configs(dev, hidden.dtype, h, aligned(hidden, weight), precision)[0]
-    launch(
-        _linear_logprob_fwd, (triton.cdiv(n, cfg.block_n),),
-        hidden, weight, weight if bias is None else bias, target_ids, logps, ent, m, log_s,
-        n, v, h, hidden.stride(0), weight.stride(0), 1.0 / temperature, 1.0 if softcap is None else softcap,
-        int(bias is not None), int(softcap is not None),
-        RETURN_ENTROPY=return_entropy, UPCAST=upcast, PRECISION=precision,
-        BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    cfg = tile_config(dev, n)
+    c_max = budget_chunk(n, hidden.element_size(), v, budget)
+    splits = column_splits(n, c_max, cfg, current_sms(dev))
+    buf = plan.scratch((n, c_max), hidden.dtype, dev)
+    run_m = plan.scratch((splits, n), torch.float32, dev)
+    run_s = plan.scratch((splits, n), torch.float64, dev)
+    run_t = plan.scratch((splits, n), torch.float64, dev) if return_entropy else run_s
+    zy = plan.scratch((n,), torch.float32, dev)
+    inv_temp, cap = 1.0 / temperature, 1.0 if softcap is None else softcap
+    for c0 in range(0, v, c_max):
+        c = min(c_max, v - c0)
+        z = buf[:, :c] if c == c_max else buf.view(-1)[: n * c].view(n, c)
+        plan.gemm("logits", hidden, weight[c0:c0 + c].t(), z)
+        split = triton.cdiv(triton.cdiv(c, splits), cfg.block_c) * cfg.block_c
+        plan.kernel(
+            "chunk_stats", _chunk_stats, (triton.cdiv(n, cfg.block_n), splits),
+            z, weight if bias is None else bias, target_ids, run_m, run_s, run_t, zy,
+            n, c, c0, z.stride(0), split, inv_temp, cap, int(c0 == 0), int(bias is not None), int(softcap is not None),
+            reads=(z, None if bias is None else bias[c0:c0 + c], target_ids, *((run_m, run_s) if c0 else ()),
+                   *((run_t,) if c0 and return_entropy else ())),
+            writes=(run_m, run_s, run_t if return_entropy else None, zy),
+            RETURN_ENTROPY=return_entropy, BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
+        )
+    plan.release(buf)
+    plan.kernel(
+        "stats_finalize", _stats_finalize, (triton.cdiv(n, cfg.block_n),),
+        run_m, run_s, run_t, zy, logps, ent, m, log_s, n, splits,
+        reads=(run_m, run_s, run_t if return_entropy else None, zy),
+        writes=(logps, ent if return_entropy else None, m, log_s),
+        RETURN_ENTROPY=return_entropy, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
+    plan.release(run_m, run_s, run_t if return_entropy else None, zy)
     return logps, (ent if return_entropy else None), m, log_s
 
 
-def linear_logprob_dlogits(h_rows, w_chunk, bias_chunk, y_local, stats, g, ge, temperature, softcap, out_dtype):
-    """``dz [R, C]`` for a slab of rows against one vocab chunk; y_local = target id - chunk start (may be out of
-    range: then no one-hot in this chunk). stats: ``[R, 3]`` fp32 (m, log s, entropy)."""
-    r, h = h_rows.shape
-    c = w_chunk.shape[0]
-    dz = torch.empty(r, c, dtype=out_dtype, device=h_rows.device)
-    upcast, precision = _precision(h_rows.device, h_rows.dtype)
-    cfg = tile_configs(h_rows.device, h_rows.dtype, h, aligned(h_rows, w_chunk), precision)[1]
-    dummy = stats
-    launch(
-        _linear_logprob_dlogits, (triton.cdiv(r, cfg.block_n), triton.cdiv(c, cfg.block_v)),
-        h_rows, w_chunk, dummy if bias_chunk is None else bias_chunk, y_local, stats,
-        dummy if g is None else g, dummy if ge is None else ge, dz,
-        r, c, h, h_rows.stride(0), w_chunk.stride(0), 1.0 / temperature, 1.0 if softcap is None else softcap,
-        int(bias_chunk is not None), int(softcap is not None), int(g is not None), int(ge is not None),
-        UPCAST=upcast, PRECISION=precision, BLOCK_N=cfg.block_n, BLOCK_V=cfg.block_v, BLOCK_H=cfg.block_h,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return dz
+def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy, g, ge, temperature, softcap,
+                            need_hidden, need_weight, need_bias, *, rows=None, plan=None, budget=None):
+    """Gradients ``(d hidden or None, d weight or None, d bias or None)`` of ``sum(g * logp + ge * entropy)``.
+
+    ``rows``: the indices of the active rows (g or ge not zero), or None for all rows (the cost model, which has no
+    data to look at); ``linear_logprob_backward_active`` finds them. m, log_s, entropy: the forward's ``[N]``
+    statistics; g, ge: ``[N]`` fp32 or None."""
+    plan = Plan() if plan is None else plan
+    budget = scratch_bytes() if budget is None else budget
+    n, h = hidden.shape
+    v = weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
+    gh = torch.empty(n, h, dtype=dtype, device=dev) if need_hidden else None
+    gw = torch.empty(v, h, dtype=dtype, device=dev) if need_weight else None
+    gb = None
+    if need_bias:
+        gb = torch.empty(v, dtype=torch.float32, device=dev)
+    a = n if rows is None else rows.shape[0]
+    if a == 0 or not (need_hidden or need_weight or need_bias):
+        for t in (gh, gw, gb):
+            if t is not None:
+                plan.torch_op("zero", t.zero_, reads=(), writes=(t,))
+        return gh, gw, None if gb is None else gb.to(bias.dtype)
+
+    # the active rows, gathered once ([A] vectors in scratch; the [A, H] rows in grad_hidden's storage)
+    vectors = [target_ids, m, log_s, entropy if ge is not None else None, g, ge]
+    if rows is not None:
+        vectors = [None if x is None else _gather(plan, x, rows) for x in vectors]
+        if gh is not None:
+            h_a = gh[:a]
+            plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_a), reads=(hidden,),
+                          writes=(h_a,))
+        else:
+            h_a = plan.scratch((a, h), dtype, dev)
+            plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_a), reads=(hidden,),
+                          writes=(h_a,))
+    else:
+        h_a = hidden
+    y_a, m_a, logs_a, ent_a, g_a, ge_a = vectors
+
+    acc = None
+    if need_hidden:  # fp32 inputs without gathering accumulate into the gradient itself
+        acc = gh if (dtype == torch.float32 and rows is None) else plan.scratch((a, h), torch.float32, dev)
+        plan.torch_op("zero", acc.zero_, reads=(), writes=(acc,))
+
+    cfg = tile_config(dev, a)
+    elem = hidden.element_size()
+    chunks = backward_chunks(v, a, h, elem, budget, in_weight=need_weight)
+    small = max((c1 - c0 for c0, c1, home in chunks if not home), default=0)
+    buf = plan.scratch((a, small), dtype, dev) if small else None
+    dummy = m_a
+    inv_temp, cap = 1.0 / temperature, 1.0 if softcap is None else softcap
+    for c0, c1, in_weight in chunks:
+        c = c1 - c0
+        z = (gw if in_weight else buf).view(-1)[: a * c].view(a, c)
+        w_c = weight[c0:c1]
+        plan.gemm("logits (recomputed)", h_a, w_c.t(), z)
+        plan.kernel(
+            "chunk_dlogits", _chunk_dlogits, (triton.cdiv(a, cfg.block_n), triton.cdiv(c, cfg.block_c)),
+            z, weight if bias is None else bias, y_a, m_a, logs_a, dummy if ent_a is None else ent_a,
+            dummy if g_a is None else g_a, dummy if ge_a is None else ge_a,
+            a, c, c0, z.stride(0), inv_temp, cap,
+            int(bias is not None), int(softcap is not None), int(g_a is not None), int(ge_a is not None),
+            reads=(z, None if bias is None else bias[c0:c1], y_a if g_a is not None else None, m_a, logs_a, ent_a,
+                   g_a, ge_a),
+            writes=(z,),
+            BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
+        )
+        if need_bias:
+            plan.torch_op("d bias", lambda: torch.sum(z, 0, dtype=torch.float32, out=gb[c0:c1]), reads=(z,),
+                          writes=(gb[c0:c1],))
+        if need_hidden:
+            plan.gemm("d hidden", z, w_c, acc, accumulate=True)
+        if need_weight:
+            plan.gemm("d weight", z.t(), h_a, gw[c0:c1])
+    plan.release(buf)
+
+    if need_hidden:
+        if rows is None:
+            if acc is not gh:
+                plan.torch_op("cast d hidden", lambda: gh.copy_(acc), reads=(acc,), writes=(gh,))
+        else:  # h_a (in gh's first rows) is no longer needed: zero gh and scatter the active rows' gradients,
+            # a budget's worth of rows at a time (the cast of a piece is its only temporary)
+            plan.torch_op("zero", gh.zero_, reads=(), writes=(gh,))
+            piece = max(1, budget // (h * elem))
+            for r0 in range(0, a, piece):
+                part = acc[r0:r0 + piece]
+                plan.torch_op("scatter d hidden", lambda: gh.index_copy_(0, rows[r0:r0 + piece], part.to(dtype)),
+                              reads=(part,), writes=(gh[:part.shape[0]],))
+        if acc is not gh:
+            plan.release(acc)
+    elif rows is not None:
+        plan.release(h_a)
+    for x in vectors if rows is not None else ():
+        plan.release(x)
+    return gh, gw, None if gb is None else gb.to(bias.dtype)
+
+
+def _gather(plan: Plan, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    out = plan.scratch((rows.shape[0],), x.dtype, x.device)
+    plan.torch_op("gather", lambda: torch.index_select(x, 0, rows, out=out), reads=(rows,), writes=(out,))
+    return out
+
+
+def active_rows(g: torch.Tensor | None, ge: torch.Tensor | None) -> torch.Tensor | None:
+    """Indices of the rows whose upstream gradients are not both exactly zero, or None when every row is active
+    (no gather needed). One host sync (the count)."""
+    active = None
+    for x in (g, ge):
+        if x is not None:
+            active = (x != 0) if active is None else active | (x != 0)
+    rows = active.nonzero().squeeze(1)
+    return None if rows.shape[0] == active.shape[0] else rows

@@ -123,19 +123,26 @@ def test_launch_runs_on_the_device_of_its_tensors(monkeypatch):
 
 def test_launchers_are_data_under_capture():
     """Inside ``capture`` the log-prob launchers record their launches (nothing runs) with the configuration the
-    target's table gives, so the static gate compiles what a launch would run."""
+    target's table gives and the column split the target's SM count asks for, so the static gate compiles what a
+    launch would run and the cost model prices it."""
     from grpo_fast.kernels.launch import Target, capture
     from grpo_fast.kernels.linear_logprobs import CONFIGS, linear_logprob_forward
+    from grpo_fast.kernels.plan import Plan
 
     meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
-    for target, family in ((Target("cuda", 90, 32), "sm90"), (Target("hip", "gfx942", 64), "cdna")):
-        with capture(target) as launches:
+    for target, family, sms in ((Target("cuda", 90, 32), "sm90", 132), (Target("hip", "gfx942", 64), "cdna", 304)):
+        plan = Plan()
+        with capture(target, sms=sms) as launches:
             linear_logprob_forward(meta(1000, 4096), meta(32000, 4096), meta(1000, dtype=torch.int64), None, 1.0,
-                                   None, True)
-        (one,) = launches
-        cfg = CONFIGS[(family, "16bit", True)][0]
-        assert one.grid == (-(-1000 // cfg.block_n),) and one.num_warps == cfg.num_warps
-        assert one.constexprs["BLOCK_H"] == cfg.block_h and one.name.endswith(":_linear_logprob_fwd")
+                                   None, True, plan=plan)
+        stats, final = launches  # one vocabulary chunk (32000 x 1000 bf16 fits 64 MiB) and the merge
+        cfg = CONFIGS[(family, "small")]
+        row_blocks = -(-1000 // cfg.block_n)
+        assert stats.grid == (row_blocks, -(-2 * sms // row_blocks)) and stats.num_warps == cfg.num_warps
+        assert stats.constexprs["BLOCK_C"] == cfg.block_c and stats.name.endswith(":_chunk_stats")
+        assert final.grid == (row_blocks,) and final.name.endswith(":_stats_finalize")
+        assert [s.kind for s in plan.steps] == ["gemm", "triton", "triton"]
+        assert plan.steps[0].flops == 2 * 1000 * 4096 * 32000
 
 
 def _record_logprob_backward(monkeypatch):
@@ -187,13 +194,13 @@ def test_host_syncing_ops_are_kept_out_of_cuda_graphs():
 
 
 @interpreted
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_logprob_kernels_with_scalars_rounded_as_hardware_passes_them(monkeypatch, dtype):
     """On a GPU a Python float argument reaches the kernel as fp32 (the interpreter passes a double): rerun the
     forward and backward kernels with every float argument rounded through float32 and hold the result to the rule."""
-    import grpo_fast.kernels.linear_logprobs as ll
+    import grpo_fast.kernels.plan as plan_module
 
-    real = ll.launch
+    real = plan_module.launch
     rounded = []
 
     def fp32_scalars(kernel, grid, *args, **kw):
@@ -201,7 +208,7 @@ def test_logprob_kernels_with_scalars_rounded_as_hardware_passes_them(monkeypatc
         rounded.extend(a for a in args if isinstance(a, float))
         return real(kernel, grid, *args, **kw)
 
-    monkeypatch.setattr(ll, "launch", fp32_scalars)
+    monkeypatch.setattr(plan_module, "launch", fp32_scalars)
     gen = torch.Generator().manual_seed(5)
     n, h, v = 29, 48, 1151
     hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)

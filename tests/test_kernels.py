@@ -48,7 +48,7 @@ def _grpo_case(config, dtype, batch, upstream=0.37):
         assert_close_rule(a, b, c, dtype, name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "shape", [dict(B=3, T=123, H=96, V=1151), dict(B=2, T=64, H=64, V=1024)], ids=["odd", "pow2"]
 )
@@ -242,7 +242,7 @@ def test_high_entropy_mask_equals_the_quantile_of_the_selected_entropies():
         assert torch.equal(high_entropy_mask(entropy.to(DEVICE), mask.to(DEVICE), q).cpu(), want), (i, q)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_fused_logprobs_triton_extremes(dtype):
     """Logits offset by 1e4 (fp32), a near-certain target, temperature 1.5: logps, entropy and grads."""
     gen = torch.Generator().manual_seed(3)
