@@ -267,25 +267,76 @@ def budget_chunk(rows: int, elem: int, v: int, budget: int) -> int:
     return min(v, max(_CHUNK_ALIGN, c))
 
 
-def backward_chunks(v: int, rows: int, h: int, elem: int, budget: int, in_weight: bool) -> list[tuple[int, int, bool]]:
-    """``(c0, c1, in_weight)`` for the backward, last chunk of the vocabulary first. ``in_weight``: the ``dz`` buffer
-    lives in rows ``[0, ceil(rows C / H))`` of grad_weight, which must lie below ``c0`` (chunks not yet written);
-    the widest such chunk is ``C <= c1 H / (H + rows)``. Once that is no wider than the budget's chunk, the rest goes
-    through the budget-sized buffer."""
+@dataclass(frozen=True)
+class BackwardLayout:
+    """Where the backward keeps its large temporaries and how it walks the vocabulary.
+
+    chunks: ``(c0, c1, in_weight)`` in order; ``in_weight``: the ``dz`` buffer lives in rows ``[0, ceil(rows C / H))``
+    of grad_weight, below every row written so far and below the tail. tail: rows ``[V - tail, V)`` of grad_weight
+    hold part of the fp32 ``dh`` accumulator during the sweep; their ``dW`` is recomputed afterwards (``recompute``
+    chunks, budget buffer, all rows). acc: "none", "gradient" (fp32 inputs: grad_hidden itself), "scratch" or
+    "split" (rows ``[0, acc_lo)`` in grad_hidden's free bytes from byte ``acc_offset``, the rest in the tail).
+    budget_chunk: the width of the budget-sized buffer's chunks (0: none)."""
+
+    chunks: tuple[tuple[int, int, bool], ...]
+    tail: int = 0
+    acc: str = "none"
+    acc_lo: int = 0
+    acc_offset: int = 0
+    recompute: tuple[tuple[int, int], ...] = ()
+    budget_chunk: int = 0
+    recompute_chunk: int = 0
+
+
+def backward_layout(n: int, rows: int, h: int, v: int, elem: int, budget: int, *, gathered: bool, need_hidden: bool,
+                    need_weight: bool) -> BackwardLayout:
+    """The layout of a backward over ``rows`` active rows (of ``n``) of ``elem``-byte inputs within ``budget`` bytes
+    of temporaries (see ``BackwardLayout``). The fp32 accumulator (``4 rows H`` bytes) goes to the temporaries when
+    it fits next to a buffer, else into the gradients' own storage: the bytes of grad_hidden that the gathered rows
+    do not occupy, and the tail of grad_weight, whose rows are recomputed at the end (``2 n H tail`` more FLOPs);
+    when it needs the tail and there is no grad_weight, it stays a temporary (over the budget)."""
+    acc, acc_lo, acc_offset, tail = "none", 0, 0, 0
+    if need_hidden:
+        acc = "gradient" if elem == 4 and not gathered else "scratch"
     small = budget_chunk(rows, elem, v, budget)
-    chunks = []
-    end = v
-    while end > 0:
-        if in_weight:
-            c = min(_MAX_CHUNK, end * h // (h + rows) // _CHUNK_ALIGN * _CHUNK_ALIGN)
-            if c > small and triton.cdiv(rows * c, h) <= end - c:
-                chunks.append((end - c, end, True))
-                end -= c
-                continue
-        c = min(small, end)
-        chunks.append((end - c, end, False))
-        end -= c
-    return chunks
+    if acc == "scratch" and 4 * rows * h + rows * small * elem > budget:
+        acc_offset = -(-rows * h * elem // 16) * 16 if gathered else 0  # the gathered rows come first
+        acc_lo = max(0, min(rows, (n * h * elem - acc_offset) // (4 * h)))
+        tail = 0
+        if acc_lo < rows:
+            tail = -(-(rows - acc_lo) * 4 // elem)
+            while (v - tail) * h * elem % 16:  # the accumulator's rows start 16-byte aligned
+                tail += 1
+        if tail == 0 or (need_weight and tail < v):
+            acc = "split"
+        else:
+            acc_lo, acc_offset, tail = 0, 0, 0
+    if acc == "scratch":
+        budget = max(budget - 4 * rows * h, 0)
+        small = budget_chunk(rows, elem, v, budget)
+
+    chunks: list[tuple[int, int, bool]] = []
+
+    def sweep(lo: int, end: int) -> None:
+        while end > lo:
+            if need_weight:  # widest C with ceil(rows C / H) <= min(c0, V - tail): the buffer avoids written rows
+                c = min(_MAX_CHUNK, end * h // (h + rows), (v - tail) * h // rows)
+                c = min(c // _CHUNK_ALIGN * _CHUNK_ALIGN, end - lo)
+                if c > small and -(-rows * c // h) <= min(end - c, v - tail):
+                    chunks.append((end - c, end, True))
+                    end -= c
+                    continue
+            c = min(small, end - lo)
+            chunks.append((end - c, end, False))
+            end -= c
+
+    sweep(v - tail, v)  # the tail first: d hidden (and d bias) only
+    sweep(0, v - tail)
+    recompute_chunk = budget_chunk(n, elem, tail, budget) if tail else 0
+    recompute = tuple((c0, min(c0 + recompute_chunk, v)) for c0 in range(v - tail, v, recompute_chunk or 1)) if tail \
+        else ()
+    used_small = max((c1 - c0 for c0, c1, home in chunks if not home), default=0)
+    return BackwardLayout(tuple(chunks), tail, acc, acc_lo, acc_offset, recompute, used_small, recompute_chunk)
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -304,8 +355,9 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
     if n == 0:
         return logps, (ent if return_entropy else None), m, log_s
     cfg = tile_config(dev, n)
-    c_max = budget_chunk(n, hidden.element_size(), v, budget)
-    splits = column_splits(n, c_max, cfg, current_sms(dev))
+    splits = column_splits(n, v, cfg, current_sms(dev))
+    stats_bytes = n * (4 + (2 + return_entropy) * splits * 8)  # zy, and m, s (t) per split (m counted as 8: slack)
+    c_max = budget_chunk(n, hidden.element_size(), v, max(budget - stats_bytes, 0))
     buf = plan.scratch((n, c_max), hidden.dtype, dev)
     run_m = plan.scratch((splits, n), torch.float32, dev)
     run_s = plan.scratch((splits, n), torch.float64, dev)
@@ -342,98 +394,138 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
                             need_hidden, need_weight, need_bias, *, rows=None, plan=None, budget=None):
     """Gradients ``(d hidden or None, d weight or None, d bias or None)`` of ``sum(g * logp + ge * entropy)``.
 
-    ``rows``: the indices of the active rows (g or ge not zero), or None for all rows (the cost model, which has no
-    data to look at); ``linear_logprob_backward_active`` finds them. m, log_s, entropy: the forward's ``[N]``
-    statistics; g, ge: ``[N]`` fp32 or None."""
+    ``rows``: the indices of the active rows (g or ge not zero, ascending), or None for all rows (the cost model,
+    which has no data to look at); ``active_rows`` finds them. m, log_s, entropy: the forward's ``[N]`` statistics;
+    g, ge: ``[N]`` fp32 or None."""
     plan = Plan() if plan is None else plan
     budget = scratch_bytes() if budget is None else budget
     n, h = hidden.shape
     v = weight.shape[0]
-    dev, dtype = hidden.device, hidden.dtype
+    dev, dtype, elem = hidden.device, hidden.dtype, hidden.element_size()
     gh = torch.empty(n, h, dtype=dtype, device=dev) if need_hidden else None
     gw = torch.empty(v, h, dtype=dtype, device=dev) if need_weight else None
-    gb = None
-    if need_bias:
-        gb = torch.empty(v, dtype=torch.float32, device=dev)
+    gb = torch.empty(v, dtype=torch.float32, device=dev) if need_bias else None
     a = n if rows is None else rows.shape[0]
-    if a == 0 or not (need_hidden or need_weight or need_bias):
+    if a == 0:
         for t in (gh, gw, gb):
             if t is not None:
                 plan.torch_op("zero", t.zero_, reads=(), writes=(t,))
         return gh, gw, None if gb is None else gb.to(bias.dtype)
+    if rows is not None and gh is None and 2 * a * h * elem > budget:
+        rows, a = None, n  # no room for the gathered rows without grad_hidden's storage: every row, no gather
 
-    # the active rows, gathered once ([A] vectors in scratch; the [A, H] rows in grad_hidden's storage)
+    # the active rows' [A] vectors, gathered once (temporaries), and their hidden rows (grad_hidden's first rows)
     vectors = [target_ids, m, log_s, entropy if ge is not None else None, g, ge]
+    h_a = hidden
     if rows is not None:
         vectors = [None if x is None else _gather(plan, x, rows) for x in vectors]
-        if gh is not None:
-            h_a = gh[:a]
-            plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_a), reads=(hidden,),
-                          writes=(h_a,))
-        else:
-            h_a = plan.scratch((a, h), dtype, dev)
-            plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_a), reads=(hidden,),
-                          writes=(h_a,))
-    else:
-        h_a = hidden
+        h_a = gh[:a] if gh is not None else plan.scratch((a, h), dtype, dev)
+        plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_a), reads=(hidden,),
+                      writes=(h_a,))
     y_a, m_a, logs_a, ent_a, g_a, ge_a = vectors
+    layout = backward_layout(n, a, h, v, elem, max(budget - plan.live_bytes, 0), gathered=rows is not None,
+                             need_hidden=need_hidden, need_weight=need_weight)
 
-    acc = None
-    if need_hidden:  # fp32 inputs without gathering accumulate into the gradient itself
-        acc = gh if (dtype == torch.float32 and rows is None) else plan.scratch((a, h), torch.float32, dev)
-        plan.torch_op("zero", acc.zero_, reads=(), writes=(acc,))
+    acc_parts = []  # (first row, fp32 [rows, H], whether it lives in grad_hidden's bytes): the d hidden accumulator
+    if layout.acc == "gradient":
+        acc_parts = [(0, gh, True)]
+    elif layout.acc == "scratch":
+        acc_parts = [(0, plan.scratch((a, h), torch.float32, dev), False)]
+    elif layout.acc == "split":
+        lo = layout.acc_lo
+        acc_parts = [(0, _as_fp32(gh, layout.acc_offset, lo, h), True),
+                     (lo, _as_fp32(gw[v - layout.tail:], 0, a - lo, h), False)]
+        acc_parts = [p for p in acc_parts if p[1].shape[0]]
+    for _, part, _ in acc_parts:
+        plan.torch_op("zero", part.zero_, reads=(), writes=(part,))
 
-    cfg = tile_config(dev, a)
-    elem = hidden.element_size()
-    chunks = backward_chunks(v, a, h, elem, budget, in_weight=need_weight)
-    small = max((c1 - c0 for c0, c1, home in chunks if not home), default=0)
-    buf = plan.scratch((a, small), dtype, dev) if small else None
-    dummy = m_a
-    inv_temp, cap = 1.0 / temperature, 1.0 if softcap is None else softcap
-    for c0, c1, in_weight in chunks:
-        c = c1 - c0
-        z = (gw if in_weight else buf).view(-1)[: a * c].view(a, c)
-        w_c = weight[c0:c1]
-        plan.gemm("logits (recomputed)", h_a, w_c.t(), z)
-        plan.kernel(
-            "chunk_dlogits", _chunk_dlogits, (triton.cdiv(a, cfg.block_n), triton.cdiv(c, cfg.block_c)),
-            z, weight if bias is None else bias, y_a, m_a, logs_a, dummy if ent_a is None else ent_a,
-            dummy if g_a is None else g_a, dummy if ge_a is None else ge_a,
-            a, c, c0, z.stride(0), inv_temp, cap,
-            int(bias is not None), int(softcap is not None), int(g_a is not None), int(ge_a is not None),
-            reads=(z, None if bias is None else bias[c0:c1], y_a if g_a is not None else None, m_a, logs_a, ent_a,
-                   g_a, ge_a),
-            writes=(z,),
-            BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
-        )
+    buf = plan.scratch((a, layout.budget_chunk), dtype, dev) if layout.budget_chunk else None
+    for c0, c1, in_weight in layout.chunks:
+        z = (gw if in_weight else buf).view(-1)[: a * (c1 - c0)].view(a, c1 - c0)
+        _dlogits(plan, z, h_a, weight, bias, y_a, m_a, logs_a, ent_a, g_a, ge_a, c0, c1, temperature, softcap)
         if need_bias:
             plan.torch_op("d bias", lambda: torch.sum(z, 0, dtype=torch.float32, out=gb[c0:c1]), reads=(z,),
                           writes=(gb[c0:c1],))
-        if need_hidden:
-            plan.gemm("d hidden", z, w_c, acc, accumulate=True)
-        if need_weight:
+        for r0, part, _ in acc_parts:
+            plan.gemm("d hidden", z[r0:r0 + part.shape[0]], weight[c0:c1], part, accumulate=True)
+        if need_weight and c1 <= v - layout.tail:
             plan.gemm("d weight", z.t(), h_a, gw[c0:c1])
     plan.release(buf)
 
-    if need_hidden:
-        if rows is None:
-            if acc is not gh:
-                plan.torch_op("cast d hidden", lambda: gh.copy_(acc), reads=(acc,), writes=(gh,))
-        else:  # h_a (in gh's first rows) is no longer needed: zero gh and scatter the active rows' gradients,
-            # a budget's worth of rows at a time (the cast of a piece is its only temporary)
-            plan.torch_op("zero", gh.zero_, reads=(), writes=(gh,))
-            piece = max(1, budget // (h * elem))
-            for r0 in range(0, a, piece):
-                part = acc[r0:r0 + piece]
-                plan.torch_op("scatter d hidden", lambda: gh.index_copy_(0, rows[r0:r0 + piece], part.to(dtype)),
-                              reads=(part,), writes=(gh[:part.shape[0]],))
-        if acc is not gh:
-            plan.release(acc)
-    elif rows is not None:
+    if need_hidden and layout.acc != "gradient":
+        _finish_hidden(plan, gh, acc_parts, rows, budget)
+    if layout.acc == "scratch":
+        plan.release(acc_parts[0][1])
+    if rows is not None and gh is None:
         plan.release(h_a)
+    if layout.recompute:  # the tail held part of the accumulator: its d weight now, over every row
+        buf = plan.scratch((n, layout.recompute_chunk), dtype, dev)
+        for c0, c1 in layout.recompute:
+            z = buf.view(-1)[: n * (c1 - c0)].view(n, c1 - c0)
+            _dlogits(plan, z, hidden, weight, bias, target_ids, m, log_s, entropy if ge is not None else None, g, ge,
+                     c0, c1, temperature, softcap)
+            plan.gemm("d weight", z.t(), hidden, gw[c0:c1])
+        plan.release(buf)
     for x in vectors if rows is not None else ():
         plan.release(x)
     return gh, gw, None if gb is None else gb.to(bias.dtype)
+
+
+def _dlogits(plan, z, h_rows, weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap):
+    """``z [R, C]`` (a buffer) <- d loss / d raw logits of ``h_rows`` against the vocabulary chunk ``[c0, c1)``:
+    the logits GEMM, then ``_chunk_dlogits`` in place."""
+    r, c = z.shape
+    plan.gemm("logits (recomputed)", h_rows, weight[c0:c1].t(), z)
+    cfg = tile_config(z.device, r)
+    plan.kernel(
+        "chunk_dlogits", _chunk_dlogits, (triton.cdiv(r, cfg.block_n), triton.cdiv(c, cfg.block_c)),
+        z, weight if bias is None else bias, y, m, log_s, m if ent is None else ent, m if g is None else g,
+        m if ge is None else ge, r, c, c0, z.stride(0), 1.0 / temperature, 1.0 if softcap is None else softcap,
+        int(bias is not None), int(softcap is not None), int(g is not None), int(ge is not None),
+        reads=(z, None if bias is None else bias[c0:c1], y if g is not None else None, m, log_s, ent, g, ge),
+        writes=(z,), BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
+    )
+
+
+def _as_fp32(t: torch.Tensor, byte_offset: int, rows: int, h: int) -> torch.Tensor:
+    """An fp32 ``[rows, h]`` view of ``t``'s bytes from ``byte_offset`` (``t`` contiguous)."""
+    ratio = 4 // t.element_size()
+    start = byte_offset // t.element_size()
+    return t.view(-1)[start: start + rows * h * ratio].view(torch.float32).view(rows, h)
+
+
+def _finish_hidden(plan, gh, acc_parts, rows, budget):
+    """grad_hidden from the fp32 accumulator pieces: cast into its first A rows (in place where the accumulator lives
+    in grad_hidden's own bytes: ascending pieces through a temporary, each written below every byte still unread),
+    then, for gathered rows, moved to their rows (descending pieces: row j goes to rows[j] >= j, above every row not
+    yet moved) and the other rows zeroed."""
+    n, h = gh.shape
+    piece = max(1, budget // (h * 4))
+    for r0, part, in_gh in acc_parts:
+        if not in_gh:  # elsewhere: one cast
+            dst = gh[r0:r0 + part.shape[0]]
+            plan.torch_op("cast d hidden", lambda: dst.copy_(part), reads=(part,), writes=(dst,))
+            continue
+        for p0 in range(0, part.shape[0], piece):
+            src = part[p0:p0 + piece]
+            tmp = plan.scratch(src.shape, gh.dtype, gh.device)
+            plan.torch_op("cast d hidden", lambda: tmp.copy_(src), reads=(src,), writes=(tmp,))
+            dst = gh[r0 + p0:r0 + p0 + src.shape[0]]
+            plan.torch_op("cast d hidden", lambda: dst.copy_(tmp), reads=(tmp,), writes=(dst,))
+            plan.release(tmp)
+    if rows is None:
+        return
+    a = rows.shape[0]
+    for p1 in range(a, 0, -piece):
+        p0 = max(0, p1 - piece)
+        tmp = plan.scratch((p1 - p0, h), gh.dtype, gh.device)
+        plan.torch_op("move d hidden", lambda: tmp.copy_(gh[p0:p1]), reads=(gh[p0:p1],), writes=(tmp,))
+        plan.torch_op("move d hidden", lambda: gh.index_copy_(0, rows[p0:p1], tmp), reads=(tmp,), writes=(tmp,))
+        plan.release(tmp)
+    inactive = torch.ones(n, dtype=torch.bool, device=gh.device)
+    plan.torch_op("inactive rows", lambda: inactive.index_fill_(0, rows, False), reads=(rows,), writes=(inactive,))
+    plan.torch_op("zero inactive rows", lambda: gh.masked_fill_(inactive[:, None], 0), reads=(inactive,),
+                  writes=(gh,))
 
 
 def _gather(plan: Plan, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

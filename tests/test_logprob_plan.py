@@ -1,0 +1,179 @@
+"""The GPU-shaped log-prob launchers (kernels/linear_logprobs.py) at small temporaries budgets, where every layout
+the backward can take is reached at test sizes: vocabulary chunks in grad_weight's free rows, budget-sized chunks,
+the fp32 d-hidden accumulator split between grad_hidden's bytes and grad_weight's tail (recomputed at the end),
+gathered active rows, column splits in the forward. Numerics follow the reference rule; on CPU the kernels run
+under TRITON_INTERPRET=1 (no tl.dot in them: bf16 is exact in the interpreter)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from grpo_fast import fused_logprobs
+from grpo_fast.dispatch import triton_interpreting
+from grpo_fast.kernels import linear_logprobs as ll
+from grpo_fast.kernels.launch import Target, capture
+from grpo_fast.kernels.plan import Plan
+from grpo_fast.testing import assert_close_rule
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernels = pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreting(),
+                                   reason="Triton needs CUDA or TRITON_INTERPRET=1")
+N, H, V = 61, 48, 1151
+TIGHT_KIB = 16  # below acc + one buffer at these sizes: the accumulator goes to the gradients' storage
+
+
+def _case(seed, inactive):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=gen, dtype=torch.float64) / H**0.5
+    bias = torch.randn(V, generator=gen, dtype=torch.float64) * 0.3
+    targets = torch.randint(0, V, (N,), generator=gen)
+    g, ge = (torch.randn(N, generator=gen, dtype=torch.float64) for _ in range(2))
+    if inactive:  # padding: rows with no upstream gradient at all, and rows with only one of the two
+        dead = torch.randperm(N, generator=gen)[: N // 3]
+        g[dead] = 0.0
+        ge[dead] = 0.0
+        g[torch.tensor([1, 2])] = 0.0
+        ge[torch.tensor([3, 4])] = 0.0
+    return hidden, weight, bias, targets, g, ge
+
+
+def _run(impl, dtype, case, need=("hidden", "weight", "bias")):
+    hidden, weight, bias, targets, g, ge = case
+    leaves = {k: x.to(dtype).to(DEVICE).requires_grad_(k in need)
+              for k, x in (("hidden", hidden), ("weight", weight), ("bias", bias))}
+    logps, ent = fused_logprobs(leaves["hidden"], leaves["weight"], targets.to(DEVICE), bias=leaves["bias"],
+                                temperature=0.7, softcap=3.3, return_entropy=True, impl=impl)
+    if need:
+        ((logps * g.to(DEVICE, logps.dtype)).sum() + (ent * ge.to(DEVICE, ent.dtype)).sum()).backward()
+    return [logps, ent] + [leaves[k].grad for k in ("hidden", "weight", "bias")]
+
+
+def _layout(dtype, case, need):
+    _, _, _, _, g, ge = case
+    a = int(((g != 0) | (ge != 0)).sum())
+    elem = torch.tensor([], dtype=dtype).element_size()
+    return ll.backward_layout(N, a, H, V, elem, TIGHT_KIB * 1024, gathered=a < N, need_hidden="hidden" in need,
+                              need_weight="weight" in need)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inactive", [False, True], ids=["all-rows", "gathered"])
+@pytest.mark.parametrize("need", [("hidden", "weight", "bias"), ("hidden",), ("weight",)], ids="+".join)
+def test_every_layout_against_the_reference(monkeypatch, dtype, inactive, need):
+    """Log-probs, entropy and every requested gradient at a 16 KiB budget, held to the reference rule; the case
+    really takes the layout it is meant to (checked on the layout itself)."""
+    case = _case(7, inactive)
+    layout = _layout(dtype, case, need)
+    homes = {home for _, _, home in layout.chunks}
+    if "weight" in need:
+        assert homes == {True, False}, layout  # chunks in grad_weight's rows and budget chunks both occur
+    if "hidden" in need and "weight" in need and not (dtype == torch.float32 and not inactive):
+        assert layout.acc == "split" and layout.tail > 0 and layout.recompute, layout
+    monkeypatch.setenv("GRPO_FAST_SCRATCH_MIB", str(TIGHT_KIB / 1024))
+    out = _run("triton", dtype, case, need)
+    pt, ref = _run("reference", dtype, case, need), _run("reference", torch.float64, case, need)
+    for name, a, b, c in zip(("logps", "entropy", "d hidden", "d weight", "d bias"), out, pt, ref):
+        assert_close_rule(a, b, c, dtype, name)
+    if inactive and "hidden" in need:
+        dead = ((case[4] == 0) & (case[5] == 0)).to(DEVICE)
+        assert (out[2][dead] == 0).all()  # gathered away: exactly zero, not stale rows
+
+
+@needs_kernels
+def test_results_do_not_depend_on_the_budget_and_repeat_bit_for_bit(monkeypatch):
+    """The same inputs at a roomy and a tight budget agree to the rule (different chunking, split accumulator); two
+    runs at one budget are identical (no atomics, fixed-order merges)."""
+    case = _case(11, True)
+    runs = {}
+    for kib in (64 * 1024, TIGHT_KIB, TIGHT_KIB):
+        monkeypatch.setenv("GRPO_FAST_SCRATCH_MIB", str(kib / 1024))
+        runs.setdefault(kib, []).append(_run("triton", torch.float32, case))
+    first, again = runs[TIGHT_KIB]
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    pt, ref = _run("reference", torch.float32, case), _run("reference", torch.float64, case)
+    for a, b, c in zip(runs[64 * 1024][0], pt, ref):
+        assert_close_rule(a, b, c, torch.float32)
+
+
+@needs_kernels
+def test_forward_column_split_merges_to_the_unsplit_result(monkeypatch):
+    """Few row blocks: the forward splits each chunk's columns over several programs and merges their statistics;
+    the result equals the single-program one to the rule, whatever the number of SMs the launcher assumes."""
+    from grpo_fast.kernels import launch
+
+    case = _case(3, False)
+    outs = {}
+    for sms in (1, 4, 64):
+        monkeypatch.setattr(launch, "INTERPRETER_SMS", sms)
+        cfg = ll.tile_config(torch.device(DEVICE), N)
+        outs[ll.column_splits(N, V, cfg, sms)] = _run("triton", torch.float32, case, need=())[:2]
+    assert len(outs) == 3 and 1 in outs  # one, some and many splits
+    pt, ref = _run("reference", torch.float32, case, need=()), _run("reference", torch.float64, case, need=())
+    for out in outs.values():
+        for a, b, c in zip(out, pt, ref):
+            assert_close_rule(a, b, c, torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_backward_layout_invariants(seed):
+    """Random shapes and budgets: the chunks tile the vocabulary once; a dz buffer in grad_weight lies below every
+    row already written and below the tail; the split accumulator fits grad_hidden's free bytes and the tail; the
+    recomputed chunks tile the tail."""
+    rnd = random.Random(seed)
+    n = rnd.choice([1, 7, 61, 1000, 16384])
+    a = rnd.randint(1, n)
+    h, v = rnd.choice([16, 48, 97, 4096]), rnd.choice([300, 1151, 32000, 151936])
+    elem = rnd.choice([2, 4])
+    budget = rnd.choice([4096, 65536, 2**20, 64 * 2**20])
+    need_h, need_w = rnd.choice([(True, True), (True, False), (False, True)])
+    gathered = a < n
+    lay = ll.backward_layout(n, a, h, v, elem, budget, gathered=gathered, need_hidden=need_h, need_weight=need_w)
+    cols = sorted((c0, c1) for c0, c1, _ in lay.chunks)
+    assert cols[0][0] == 0 and cols[-1][1] == v and all(x[1] == y[0] for x, y in zip(cols, cols[1:]))
+    written = v
+    for c0, c1, in_weight in lay.chunks:
+        if c1 <= v - lay.tail:
+            written = min(written, c0)
+        if in_weight:
+            assert need_w and -(-a * (c1 - c0) // h) <= min(c0, v - lay.tail), (c0, c1, lay)
+    if lay.acc == "split":
+        assert need_h and 0 <= lay.tail < v and (need_w or lay.tail == 0)
+        assert lay.acc_offset >= (a * h * elem if gathered else 0)
+        assert lay.acc_offset + lay.acc_lo * h * 4 <= n * h * elem
+        assert (a - lay.acc_lo) * 4 <= lay.tail * elem and (lay.tail == 0 or (v - lay.tail) * h * elem % 16 == 0)
+    if lay.tail:
+        assert lay.recompute[0][0] == v - lay.tail and lay.recompute[-1][1] == v
+        assert all(x[1] == y[0] for x, y in zip(lay.recompute, lay.recompute[1:]))
+    else:
+        assert lay.tail == 0 and not lay.recompute
+    if lay.budget_chunk > 128:
+        assert a * lay.budget_chunk * elem <= budget
+
+
+@pytest.mark.parametrize("n,h,v", [(16384, 4096, 151936), (65536, 8192, 128256), (1000, 4096, 32000)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_temporaries_stay_within_the_budget_at_gpu_sizes(n, h, v, dtype):
+    """The plan of a forward and backward on meta tensors (nothing runs) keeps its temporaries within the default
+    64 MiB at GPU sizes, the fp32 d-hidden accumulator included; launches come per vocabulary chunk, never per row
+    block."""
+    meta = lambda *s, dt=dtype: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
+    budget = ll.DEFAULT_SCRATCH_MIB * 2**20
+    fwd, bwd = Plan(), Plan()
+    with capture(Target("cuda", 90, 32), sms=132):
+        block_n = ll.tile_config(torch.device("meta"), n).block_n
+        _, _, m, log_s = ll.linear_logprob_forward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, 1.0, None,
+                                                   False, plan=fwd, budget=budget)
+        ll.linear_logprob_backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, m, log_s, None,
+                                   meta(n, dt=torch.float32), None, 1.0, None, True, True, False, plan=bwd,
+                                   budget=budget)
+    assert fwd.peak_bytes <= budget and bwd.peak_bytes <= budget
+    stats = [s for s in fwd.steps if s.name == "chunk_stats"]
+    assert len(stats) == len([s for s in fwd.steps if s.name == "logits"]) and len(fwd.steps) == 2 * len(stats) + 1
+    assert all(s.shape[0] == -(-n // block_n) for s in stats)
