@@ -1,12 +1,12 @@
 """The one resolver that picks an implementation for every op (DESIGN.md §6).
 
-``auto`` means ``triton`` for CUDA tensors when the Triton path is available, ``torch`` elsewhere; ``reference`` is
-only ever chosen explicitly. Two exceptions send CUDA tensors to the torch path under ``auto``, both for the ops that
-multiply hidden states by the lm_head weight: float64 (those kernels compute in float32; the elementwise loss and
-advantage kernels run float64 as float64), and float32 unless the user allowed TF32 matmuls
-(``torch.backends.cuda.matmul.allow_tf32`` or ``torch.set_float32_matmul_precision("high")``): the kernel's fp32
-``tl.dot`` runs on tensor cores only in TF32, so exact fp32 goes to cuBLAS through the chunked torch path, as the
-user's own fp32 matmuls would. The choice is logged once per (op, impl, device type) at debug level.
+``auto`` means ``triton`` for CUDA tensors when the Triton path is available and the GPU is one the kernels are
+compiled and gated for, ``torch`` elsewhere; ``reference`` is only ever chosen explicitly. float64 inputs of the ops
+that multiply hidden states by the lm_head weight go to the torch path under ``auto`` (the log-prob kernels keep
+their statistics in float32; the elementwise loss and advantage kernels run float64 as float64). float32 inputs stay
+on the Triton path: its matmuls are cuBLAS GEMMs, which follow PyTorch's own TF32 switches like the user's other
+float32 matmuls (``tf32_allowed`` reads them, for ``grpo-fast doctor``). The choice is logged once per (op, impl,
+device type) at debug level.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _log_choice(op: str, impl: str, device_type: str) -> None:
     logger.debug("grpo_fast.%s: using impl=%r on %s", op, impl, device_type)
 
 
-# ops whose Triton kernel multiplies hidden states by the lm_head weight (a tl.dot): float32 needs TF32 there
+# ops that multiply hidden states by the lm_head weight (cuBLAS GEMMs around the log-prob kernels)
 MATMUL_OPS = ("fused_logprobs", "grpo_loss")
 
 
@@ -112,12 +112,10 @@ def auto_impl(device: torch.device, op: str, dtype: torch.dtype | None) -> tuple
     if not triton_available():
         return "torch", "triton is not installed"
     if dtype == torch.float64 and op in MATMUL_OPS:
-        return "torch", "float64 (the log-prob kernels compute in float32)"
+        return "torch", "float64 (the log-prob kernels keep their statistics in float32)"
     if device_family(device) is None:
         backend, arch, name = device_target(device_index(device))
         return "torch", f"{name} ({backend} {arch}) is not a target the kernels are compiled and gated for"
-    if dtype == torch.float32 and op in MATMUL_OPS and not tf32_allowed():
-        return "torch", "float32 without TF32 allowed: exact fp32 matmuls by cuBLAS"
     return "triton", "CUDA tensors"
 
 

@@ -5,7 +5,7 @@ Printed in this order (``--json FILE`` writes the same as JSON):
 1. versions: Python, torch and the CUDA runtime it was built with, triton, transformers, grpo-fast, liger-kernel, the
    NVIDIA driver (``nvidia-smi``; else the CUDA driver API version torch sees);
 2. the devices (name, ``sm_XY``, memory, SM count) and the implementation ``impl="auto"`` resolves to for each op and
-   dtype, asked of ``grpo_fast.dispatch.resolve_impl`` itself, with the TF32 setting that decides float32 on CUDA;
+   dtype, asked of ``grpo_fast.dispatch.resolve_impl`` itself, with the TF32 setting float32 GEMMs follow on CUDA;
 3. a self-check on one device: ``grpo_loss`` forward + backward (DAPO, beta 0.04, old and reference log-probs near the
    policy so that clipping and the KL term are live) at three shapes, for every implementation (``triton`` on CUDA,
    ``torch``, ``reference``; Liger-Kernel's ``LigerFusedLinearGRPOLoss`` when installed). Each is compared with the
@@ -156,8 +156,8 @@ def devices() -> list[dict]:
 
 
 def tf32_state() -> dict:
-    """The settings that allow TF32 matmuls for float32 inputs on CUDA (resolve_impl's reason for float32), and the
-    verdict ``grpo_fast.dispatch.tf32_allowed`` draws from them. A setting torch refuses to read (the legacy flags
+    """The settings that allow TF32 matmuls for float32 inputs on CUDA (the log-prob path's cuBLAS GEMMs follow them),
+    and the verdict ``grpo_fast.dispatch.tf32_allowed`` draws from them. A setting torch refuses to read (the legacy flags
     after the new ``fp32_precision`` API was used) shows its error."""
     from grpo_fast.dispatch import tf32_allowed
 
@@ -476,7 +476,7 @@ def run(args: argparse.Namespace, log=print) -> int:
         log(f"  {d['device']:<8}{d['name']}{extra}")
     report["auto"] = auto_paths([d["device"] for d in report["devices"]])
     log('\nimpl="auto" resolves to (grpo_fast.dispatch.resolve_impl("auto", device, op, dtype))')
-    log("  TF32 matmuls (decide float32 on CUDA): "
+    log("  TF32 matmuls (float32 GEMMs on CUDA follow them): "
         + ", ".join(f"{k} = {v!r}" for k, v in report["tf32"].items()))
     names = [str(t).removeprefix("torch.") for t in AUTO_DTYPES]
     log(f"  {'device':<8}{'op':<22}" + "".join(f"{n:<10}" for n in names))

@@ -26,8 +26,9 @@ Traffic: the forward reads ``W`` once per token block and the backward once per 
 three ``2 N V H``-FLOP matmuls in all, like the unfused lm_head forward and backward.
 
 Limits. Rows whose upstream gradients (log-prob and entropy) are both exactly zero cost no backward matmul work; a
-fully zero upstream gradient skips the backward. No double backward. Host-side Python loops: meant for CPU (and as the
-algorithmic twin of the Triton kernels), not as the fast GPU path.
+fully zero upstream gradient skips the backward. No double backward. Host-side Python loops over cache-sized tiles:
+meant for CPU, not as the GPU path (``grpo_fast.kernels.linear_logprobs``: the same mathematics, as cuBLAS GEMMs over
+vocabulary chunks and two memory-bound kernels).
 """
 
 from __future__ import annotations

@@ -37,17 +37,15 @@ def strict_fp32():
 
 
 @pytest.mark.parametrize("op", ["fused_logprobs", "grpo_loss"])
-def test_auto_sends_fp32_matmuls_to_cublas_unless_tf32_is_allowed(monkeypatch, strict_fp32, op):
-    assert resolve_impl("auto", CUDA, op, torch.float32) == "torch"
-    assert "cuBLAS" in auto_impl(CUDA, op, torch.float32)[1]
-    for dtype in (torch.bfloat16, torch.float16):
+def test_auto_keeps_fp32_matmul_ops_on_the_kernels_whose_gemms_follow_tf32(monkeypatch, strict_fp32, op):
+    """The log-prob path's matmuls are cuBLAS GEMMs (exact fp32 unless the user allowed TF32, like any of their
+    float32 matmuls): float32 stays on it; float64 goes to the torch path (statistics in float32 there)."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert resolve_impl("auto", CUDA, op, dtype) == "triton"
     assert resolve_impl("auto", CUDA, op, torch.float64) == "torch"
+    assert "float64" in auto_impl(CUDA, op, torch.float64)[1]
     with pytest.raises(ValueError, match="float64"):
         resolve_impl("triton", CUDA, op, torch.float64)
-    assert resolve_impl("triton", CUDA, op, torch.float32) == "triton"  # asked for explicitly: the TF32 kernel
-    torch.set_float32_matmul_precision("high")  # TF32 allowed: the kernels' TF32 dot, like cuBLAS would
-    assert resolve_impl("auto", CUDA, op, torch.float32) == "triton"
 
 
 def test_auto_keeps_elementwise_ops_on_triton_in_fp32(strict_fp32):
