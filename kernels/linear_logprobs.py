@@ -423,6 +423,14 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
         plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_a), reads=(hidden,),
                       writes=(h_a,))
     y_a, m_a, logs_a, ent_a, g_a, ge_a = vectors
+    if need_hidden and not need_weight:  # no d weight to complete per chunk: row stripes, each over the vocabulary
+        _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, max(budget - plan.live_bytes, 0),
+                    gathered=rows is not None)
+        if rows is not None:
+            _finish_hidden(plan, gh, [], rows, budget)
+        for x in vectors if rows is not None else ():
+            plan.release(x)
+        return gh, gw, None if gb is None else gb.to(bias.dtype)
     layout = backward_layout(n, a, h, v, elem, max(budget - plan.live_bytes, 0), gathered=rows is not None,
                              need_hidden=need_hidden, need_weight=need_weight)
 
@@ -469,6 +477,44 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
     for x in vectors if rows is not None else ():
         plan.release(x)
     return gh, gw, None if gb is None else gb.to(bias.dtype)
+
+
+def _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, budget, *, gathered):
+    """d hidden (and d bias) without d weight: stripes of the active rows, each walking the whole vocabulary with
+    its own fp32 accumulator, cast into grad_hidden's rows of the stripe when it is done (gathered rows: their
+    compact positions, which held the stripe's own hidden rows). A stripe holds every row when its accumulator fits
+    next to a 128-column buffer; else half the budget's worth of rows. Launches: 3 per (stripe, chunk)."""
+    a, h = h_a.shape
+    v = weight.shape[0]
+    dtype, dev, elem = h_a.dtype, h_a.device, h_a.element_size()
+    in_place = dtype == torch.float32 and not gathered  # accumulate into gh itself
+    stripe = a if in_place or 4 * a * h + a * _CHUNK_ALIGN * elem <= budget else max(1, budget // 2 // (4 * h))
+    acc_bytes = 0 if in_place else 4 * stripe * h
+    c_max = budget_chunk(stripe, elem, v, max(budget - acc_bytes, 0))
+    buf = plan.scratch((stripe, c_max), dtype, dev)
+    acc_all = None if in_place else plan.scratch((stripe, h), torch.float32, dev)
+    for r0 in range(0, a, stripe):
+        r1 = min(a, r0 + stripe)
+        acc = gh[r0:r1] if in_place else acc_all[: r1 - r0]
+        y, m, log_s, ent, g, ge = (None if x is None else x[r0:r1] for x in vectors)
+        plan.torch_op("zero", acc.zero_, reads=(), writes=(acc,))
+        for c0 in range(0, v, c_max):
+            c1 = min(v, c0 + c_max)
+            z = buf.view(-1)[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+            _dlogits(plan, z, h_a[r0:r1], weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap)
+            if gb is not None:
+                db = gb[c0:c1]
+                if r0 == 0:
+                    plan.torch_op("d bias", lambda: torch.sum(z, 0, dtype=torch.float32, out=db), reads=(z,),
+                                  writes=(db,))
+                else:
+                    plan.torch_op("d bias", lambda: db.add_(torch.sum(z, 0, dtype=torch.float32)), reads=(z, db),
+                                  writes=(db,))
+            plan.gemm("d hidden", z, weight[c0:c1], acc, accumulate=True)
+        if not in_place:
+            dst = gh[r0:r1]
+            plan.torch_op("cast d hidden", lambda: dst.copy_(acc), reads=(acc,), writes=(dst,))
+    plan.release(buf, acc_all)
 
 
 def _dlogits(plan, z, h_rows, weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap):

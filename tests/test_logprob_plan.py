@@ -64,7 +64,8 @@ def _layout(dtype, case, need):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("inactive", [False, True], ids=["all-rows", "gathered"])
-@pytest.mark.parametrize("need", [("hidden", "weight", "bias"), ("hidden",), ("weight",)], ids="+".join)
+@pytest.mark.parametrize("need", [("hidden", "weight", "bias"), ("hidden",), ("hidden", "bias"), ("weight",)],
+                         ids="+".join)
 def test_every_layout_against_the_reference(monkeypatch, dtype, inactive, need):
     """Log-probs, entropy and every requested gradient at a 16 KiB budget, held to the reference rule; the case
     really takes the layout it is meant to (checked on the layout itself)."""
@@ -177,3 +178,18 @@ def test_temporaries_stay_within_the_budget_at_gpu_sizes(n, h, v, dtype):
     stats = [s for s in fwd.steps if s.name == "chunk_stats"]
     assert len(stats) == len([s for s in fwd.steps if s.name == "logits"]) and len(fwd.steps) == 2 * len(stats) + 1
     assert all(s.shape[0] == -(-n // block_n) for s in stats)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_frozen_lm_head_backward_stays_within_the_budget(dtype):
+    """A frozen lm_head (LoRA): d hidden only, by row stripes each over the whole vocabulary; temporaries within the
+    default 64 MiB at N=16384, H=4096, V=151936, and 4 N H V FLOPs for the backward (recompute + d hidden)."""
+    n, h, v = 16384, 4096, 151936
+    meta = lambda *s, dt=dtype: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
+    bwd = Plan()
+    with capture(Target("cuda", 90, 32), sms=132):
+        ll.linear_logprob_backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, meta(n, dt=torch.float32),
+                                   meta(n, dt=torch.float32), None, meta(n, dt=torch.float32), None, 1.0, None, True,
+                                   False, False, plan=bwd, budget=ll.DEFAULT_SCRATCH_MIB * 2**20)
+    assert bwd.peak_bytes <= ll.DEFAULT_SCRATCH_MIB * 2**20
+    assert bwd.flops == 4 * n * h * v
