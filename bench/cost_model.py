@@ -37,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: python bench/cost_model.py
 
 import torch
 
+from bench import harness
 from grpo_fast.kernels.launch import Target, capture
 from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB, linear_logprob_backward, linear_logprob_forward
 from grpo_fast.kernels.plan import Plan, Step
@@ -256,8 +257,6 @@ def summary_row(p: dict) -> dict:
 
 def format_summary(rows: list[dict]) -> str:
     """A markdown table of summary rows."""
-    from bench.harness import markdown_table
-
     def cell(col, x):
         if col == "ratio":
             return f"{x:.2f}x"
@@ -267,7 +266,7 @@ def format_summary(rows: list[dict]) -> str:
 
     headers = ["device", "N", "H", "V", "dtype", "launches", "FLOPs / NHV", "HBM GB", "extra MiB", "projected ms",
                "GEMM ms", "ratio"]
-    return markdown_table(headers, [[cell(c, r[c]) for c in SUMMARY_COLUMNS] for r in rows])
+    return harness.markdown_table(headers, [[cell(c, r[c]) for c in SUMMARY_COLUMNS] for r in rows])
 
 
 def format_projection(p: dict) -> str:
@@ -340,14 +339,11 @@ def main(argv=None) -> int:
     else:
         print(format_projection(projections[0]))
     if args.csv is not None:
-        from bench import harness
-
         out = harness.CsvRows(args.csv)
         for p in projections:
-            # "device" of the environment columns is the machine that ran the model; the profile is "profile"
             row = summary_row(p)
-            row["profile"] = row.pop("device")
-            out.add({"profile": row.pop("profile"), **row, **harness.env_fields("cpu")})
+            # the environment's "device" column is the machine that ran the model; the GPU profile is "profile"
+            out.add({"profile": row.pop("device"), **row, **harness.env_fields("cpu")})
         print(f"CSV: {args.csv}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
