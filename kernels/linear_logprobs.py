@@ -292,14 +292,13 @@ def backward_layout(n: int, rows: int, h: int, v: int, elem: int, budget: int, *
                     need_weight: bool) -> BackwardLayout:
     """The layout of a backward over ``rows`` active rows (of ``n``) of ``elem``-byte inputs within ``budget`` bytes
     of temporaries (see ``BackwardLayout``). The fp32 accumulator (``4 rows H`` bytes) goes to the temporaries when
-    it fits next to a buffer, else into the gradients' own storage: the bytes of grad_hidden that the gathered rows
+    it takes at most half the budget (the rest is the buffer's), else into the gradients' own storage: the bytes of grad_hidden that the gathered rows
     do not occupy, and the tail of grad_weight, whose rows are recomputed at the end (``2 n H tail`` more FLOPs);
     when it needs the tail and there is no grad_weight, it stays a temporary (over the budget)."""
     acc, acc_lo, acc_offset, tail = "none", 0, 0, 0
     if need_hidden:
         acc = "gradient" if elem == 4 and not gathered else "scratch"
-    small = budget_chunk(rows, elem, v, budget)
-    if acc == "scratch" and 4 * rows * h + rows * small * elem > budget:
+    if acc == "scratch" and 4 * rows * h > budget // 2:
         acc_offset = -(-rows * h * elem // 16) * 16 if gathered else 0  # the gathered rows come first
         acc_lo = max(0, min(rows, (n * h * elem - acc_offset) // (4 * h)))
         tail = 0
@@ -313,7 +312,7 @@ def backward_layout(n: int, rows: int, h: int, v: int, elem: int, budget: int, *
             acc_lo, acc_offset, tail = 0, 0, 0
     if acc == "scratch":
         budget = max(budget - 4 * rows * h, 0)
-        small = budget_chunk(rows, elem, v, budget)
+    small = budget_chunk(rows, elem, v, budget)
 
     chunks: list[tuple[int, int, bool]] = []
 

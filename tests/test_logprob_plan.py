@@ -23,7 +23,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreting(),
                                    reason="Triton needs CUDA or TRITON_INTERPRET=1")
 N, H, V = 61, 48, 1151
-TIGHT_KIB = 16  # below acc + one buffer at these sizes: the accumulator goes to the gradients' storage
+TIGHT_KIB = 12  # the fp32 accumulator is over half of it at these sizes: it goes to the gradients' storage
 
 
 def _case(seed, inactive):
@@ -67,7 +67,7 @@ def _layout(dtype, case, need):
 @pytest.mark.parametrize("need", [("hidden", "weight", "bias"), ("hidden",), ("hidden", "bias"), ("weight",)],
                          ids="+".join)
 def test_every_layout_against_the_reference(monkeypatch, dtype, inactive, need):
-    """Log-probs, entropy and every requested gradient at a 16 KiB budget, held to the reference rule; the case
+    """Log-probs, entropy and every requested gradient at a 12 KiB budget, held to the reference rule; the case
     really takes the layout it is meant to (checked on the layout itself)."""
     case = _case(7, inactive)
     layout = _layout(dtype, case, need)
