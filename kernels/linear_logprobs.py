@@ -36,6 +36,7 @@ kernels run as they are (no ``tl.dot``: bf16 is exact in the interpreter too).
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ from grpo_fast.dispatch import triton_interpreting
 from grpo_fast.kernels.launch import capturing, current_sms, current_target
 from grpo_fast.kernels.plan import Plan
 
+logger = logging.getLogger("grpo_fast")
 DEFAULT_SCRATCH_MIB = 64
 _CHUNK_ALIGN = 128  # vocabulary chunks are multiples of this many columns (GEMM-friendly, whole column tiles)
 _MAX_CHUNK = 16384  # a chunk kept in grad_weight's free rows is at most this wide
@@ -357,6 +359,9 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
     splits = column_splits(n, v, cfg, current_sms(dev))
     stats_bytes = n * (4 + (2 + return_entropy) * splits * 8)  # zy, and m, s (t) per split (m counted as 8: slack)
     c_max = budget_chunk(n, hidden.element_size(), v, max(budget - stats_bytes, 0))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("grpo_fast log-prob forward (triton): N=%d, %d vocabulary chunks of %d, %d column split(s), "
+                     "tile %s", n, triton.cdiv(v, c_max), c_max, splits, cfg)
     buf = plan.scratch((n, c_max), hidden.dtype, dev)
     run_m = plan.scratch((splits, n), torch.float32, dev)
     run_s = plan.scratch((splits, n), torch.float64, dev)
@@ -423,6 +428,7 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
                       writes=(h_a,))
     y_a, m_a, logs_a, ent_a, g_a, ge_a = vectors
     if need_hidden and not need_weight:  # no d weight to complete per chunk: row stripes, each over the vocabulary
+        logger.debug("grpo_fast log-prob backward (triton): %d of %d rows, d hidden only: row stripes", a, n)
         _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, max(budget - plan.live_bytes, 0),
                     gathered=rows is not None)
         if rows is not None:
@@ -432,6 +438,10 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
         return gh, gw, None if gb is None else gb.to(bias.dtype)
     layout = backward_layout(n, a, h, v, elem, max(budget - plan.live_bytes, 0), gathered=rows is not None,
                              need_hidden=need_hidden, need_weight=need_weight)
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("grpo_fast log-prob backward (triton): %d of %d rows, %d vocabulary chunks (%d in grad_weight's "
+                     "free rows), d-hidden accumulator: %s, %d grad_weight rows recomputed", a, n, len(layout.chunks),
+                     sum(home for *_, home in layout.chunks), layout.acc, layout.tail)
 
     acc_parts = []  # (first row, fp32 [rows, H], whether it lives in grad_hidden's bytes): the d hidden accumulator
     if layout.acc == "gradient":
