@@ -131,6 +131,20 @@ def test_an_unknown_gpu_maps_to_the_nearest_sm_count(name, sms, profile):
                for p in bench_head.PROFILE_SMS)
 
 
+def test_dry_run_rows_are_the_real_cost_models_numbers(monkeypatch, tmp_path):
+    """The same with bench/cost_model.py itself (once it has landed), on a shape it prices in milliseconds."""
+    cost_model = pytest.importorskip("bench.cost_model")
+    _no_cuda(monkeypatch)
+    csv_path = tmp_path / "head.csv"
+    assert bench_head.main(["--dry-run", "--shapes", "300x256x1151", "--profile", "h200", "--csv", str(csv_path)]) == 0
+    (row,) = harness.read_csv(csv_path)
+    p = cost_model.project(300, 256, 1151, dtype="bf16", device="h200")
+    for column, key in [("projected_ms", "projected_ms"), ("projected_gemm_ms", "gemm_ms"),
+                        ("projected_ratio", "ratio"), ("projected_launches", "launches")]:
+        assert float(row[column]) == pytest.approx(p[key], rel=1e-12), column
+    assert float(row["projected_extra_mib"]) * 2**20 == pytest.approx(p["extra_bytes"], rel=1e-12)
+
+
 def test_profile_sms_are_the_cost_models():
     """The SM table that maps unknown GPUs is the cost model's (once bench/cost_model.py has landed)."""
     cost_model = pytest.importorskip("bench.cost_model")
