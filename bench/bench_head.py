@@ -398,6 +398,14 @@ def dry_run(args) -> int:
         profile, how = _cuda_profile(args)
     else:
         profile, how = "h100", "no GPU here: the issue's reference profile"
+    try:
+        importlib.import_module("bench.cost_model")
+    except ModuleNotFoundError as e:
+        if e.name != "bench.cost_model":
+            raise
+        print("bench_head: --dry-run prints bench/cost_model.py's projections, and this checkout has no "
+              "bench/cost_model.py", file=sys.stderr)
+        return 1
     out = Outputs(args.csv, args.md)
     for shape in args.shapes:
         row = _base_row(shape, profile, how, args)

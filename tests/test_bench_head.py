@@ -83,6 +83,14 @@ def test_dry_run_rows_are_the_cost_models_numbers(cost_model, monkeypatch, tmp_p
     assert "| 4096 x 4096 x 151936 |" in table and "| 123 x 64 x 1151 |" in table
 
 
+def test_dry_run_without_the_cost_model_says_so(monkeypatch, capsys):
+    _no_cuda(monkeypatch)
+    monkeypatch.setitem(sys.modules, "bench.cost_model", None)  # an import of it fails as if the file were absent
+    assert bench_head.main(["--dry-run"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no bench/cost_model.py" in err
+
+
 def test_dry_run_passes_entropy_budget_and_profile(cost_model, monkeypatch, tmp_path):
     _no_cuda(monkeypatch)
     csv_path = tmp_path / "head.csv"
