@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU check, from a source checkout with nothing installed: `grpo-fast doctor`, the gpu-marked tests, the
-# micro benchmarks (bench/micro, when present), the loss, shared-prefix and memory benchmarks and the trainer on CUDA,
-# then one summary line per step (its exit status and seconds). Results and one log per step go to $OUT (default
+# micro benchmarks (bench/micro, when present), the loss head measured against the cost model's projection, the loss,
+# shared-prefix and memory benchmarks and the trainer on CUDA, then one summary line per step (its exit status and
+# seconds) and the head's table of measured vs projected. Results and one log per step go to $OUT (default
 # bench/results/gpu); every benchmark writes each CSV row as soon as it finishes, so a step cut by its timeout keeps
 # its finished rows. Exit status 1 when any step failed or timed out.
 #
@@ -12,8 +13,8 @@
 # and PYTHONSAFEPATH=1 so that `python -m ...` run from the checkout (this script, bench/harness.py's child processes)
 # does not put the checkout's own grpo_fast/ in front of it.
 #
-# Budget (tests/test_gpu_check.py holds it): step timeouts 10+30+60+100+25+40+55+45+35+40 = 440 s, plus 3 s of kill
-# grace for each of the 10 steps = 470 s, within 8 minutes (480 s) even if every step runs into its timeout.
+# Budget (tests/test_gpu_check.py holds it): step timeouts 10+30+45+97+25+40+25+55+40+30+40 = 437 s, plus 3 s of kill
+# grace for each of the 11 steps = 470 s, within 8 minutes (480 s) even if every step runs into its timeout.
 #
 #   bash bench/gpu_check.sh                # the whole check (OUT=dir to choose where results go)
 #   bash bench/gpu_check.sh --setup-only   # only the link farm and its import check (runs on a CPU)
@@ -22,6 +23,8 @@ cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-bench/results/gpu}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+HEAD_MD=$OUT/head_gpu.md  # the head step's table, shown after the summary: none left over from an earlier run
+rm -f "$HEAD_MD"
 PY=${PYTHON:-python3}
 GRACE=3  # seconds between the timeout's SIGTERM and its SIGKILL
 SETUP_ONLY=0
@@ -57,6 +60,11 @@ summary() {
   echo
   echo "== summary: $(($(date +%s) - start)) s in all; results and logs in $OUT"
   printf '%s\n' "${SUMMARY[@]}"
+  if [ -f "$HEAD_MD" ]; then
+    echo
+    echo "== the loss head, measured vs projected by bench/cost_model.py (rows: $OUT/head_gpu.csv)"
+    cat "$HEAD_MD"
+  fi
 }
 
 # ---- the link farm: grpo_fast/ as symlinks (their resolved paths stay in the checkout), kernels/ as grpo_fast/kernels
@@ -114,10 +122,10 @@ if [ "$SETUP_ONLY" = 1 ] || [ "$LAST_RC" != 0 ]; then  # set-up only, or a set-u
 fi
 
 # ---- the checks, cheapest and most telling first
-step doctor 60 "$PY" -m grpo_fast doctor --budget 40 --json "$OUT/doctor.json"
+step doctor 45 "$PY" -m grpo_fast doctor --budget 25 --json "$OUT/doctor.json"
 
 # every gpu-marked test (the kernels on the GPU, the loss kernel's reduced option grid, the bf16 shared-prefix forward)
-step gpu_tests 100 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs --continue-on-collection-errors \
+step gpu_tests 97 "$PY" -m pytest -q -p no:cacheprovider -m gpu -rfEs --continue-on-collection-errors \
   --junitxml="$OUT/gpu_tests.xml" tests/
 
 # the micro benchmarks at both sizes, one step each (pytest-benchmark writes its JSON at the end: a step cut by its
@@ -133,17 +141,22 @@ else
     --benchmark-group-by=group --benchmark-json "$OUT/micro_large.json"
 fi
 
+# the loss head alone against the cost model (bench/bench_head.py): fused_logprobs (triton) forward+backward and the
+# three bare lm_head GEMMs in one process, bf16, H=4096, V=151936, N=4096 and 16384, each next to its projection for
+# the profile matching this GPU; a shape that would end past --budget-s is not started
+step head 25 "$PY" -m bench.bench_head --warmup 2 --reps 5 --budget-s 15 --csv "$OUT/head_gpu.csv" --md "$HEAD_MD"
+
 # grpo_loss fwd+bwd, bf16, N=16384, H=4096, V=151936: triton vs the materialised reference (vs Liger) vs the bare
 # matmuls; one process checks every loss against the float64 oracle first, then one process per implementation
 step loss 55 "$PY" -m bench.bench_loss --device cuda --dtype bf16 --n 16384 --batch 8 --h 4096 --vocab 151936 \
   --warmup 2 --reps 5 --timeout 40 --impls triton reference $LIGER matmul --csv "$OUT/loss_gpu.csv"
 
 # shared-prefix training step (shared vs unshared forward), bf16, H=1024, 8 layers, P:C 8:1 and 1:8 of 512 tokens, G 8
-step prefix 45 "$PY" -m bench.bench_prefix --device cuda --dtype bf16 --hidden 1024 --layers 8 --groups 2 \
+step prefix 40 "$PY" -m bench.bench_prefix --device cuda --dtype bf16 --hidden 1024 --layers 8 --groups 2 \
   --ratios 8:1 1:8 --group-sizes 8 --warmup 2 --reps 5 --timeout 20 --csv "$OUT/prefix_gpu.csv"
 
 # the trainer on the default task, Triton kernel path; --rewards exact: the GPU image has no math-verify
-step train 35 "$PY" -m grpo_fast train --device cuda --steps 50 --rewards exact --output-dir "$OUT/train" \
+step train 30 "$PY" -m grpo_fast train --device cuda --steps 50 --rewards exact --output-dir "$OUT/train" \
   --progress false
 
 # GRPO vs PPO memory, one training step per configuration in its own process (bf16, 8 layers, H=1024, V=151936)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import bench_loss, bench_memory, bench_prefix, harness
+from bench import bench_head, bench_loss, bench_memory, bench_prefix, harness
 from grpo_fast import doctor
 from grpo_fast.cli import _train_parser
 from grpo_fast.train import build_config
@@ -50,8 +50,8 @@ def test_every_step_has_a_timeout_and_they_sum_to_the_stated_budget():
     setup_s = int(re.search(r"^SETUP_S=(\d+)", text, re.M).group(1))  # the GPU run's value
     steps = _steps()
     names = [name for name, _, _ in steps]
-    assert names == ["device", "setup", "doctor", "gpu_tests", "micro_small", "micro_large", "loss", "prefix",
-                     "train", "memory"]
+    assert names == ["device", "setup", "doctor", "gpu_tests", "micro_small", "micro_large", "head", "loss",
+                     "prefix", "train", "memory"]
     seconds = [setup_s if s == '"$SETUP_S"' else int(s) for _, s, _ in steps]
     total = sum(seconds) + grace * len(steps)
     stated = re.search(r"step timeouts ([\d+]+) = (\d+) s, plus (\d+) s of kill\n# grace for each of the (\d+) steps = "
@@ -77,7 +77,7 @@ def test_gpu_tests_run_right_after_the_doctor():
     assert "[ ! -d bench/micro ]" in _script()
 
 
-@pytest.mark.parametrize("step", ["doctor", "loss", "prefix", "train", "memory"])
+@pytest.mark.parametrize("step", ["doctor", "head", "loss", "prefix", "train", "memory"])
 def test_each_step_passes_its_command_valid_arguments(step, tmp_path):
     """The arguments a GPU run gives each program parse (and validate) with that program's own parser here."""
     argv = {name: a for name, _, a in _steps()}[step]
@@ -89,6 +89,12 @@ def test_each_step_passes_its_command_valid_arguments(step, tmp_path):
         doctor.add_arguments(p)
         ns = p.parse_args(args[1:])
         assert ns.budget + 20 <= int({n: s for n, s, _ in _steps()}["doctor"])  # the self-check fits its step
+    elif module == "bench.bench_head":
+        ns = bench_head._parse_args([a.replace("$HEAD_MD", str(tmp_path / "head_gpu.md")) for a in args])
+        assert ns.shapes == [bench_head.parse_shape(s) for s in bench_head.DEFAULT_SHAPES] and not ns.dry_run
+        assert ns.md == tmp_path / "head_gpu.md" and ns.csv == tmp_path / "head_gpu.csv"
+        # the budget leaves the step ten seconds for start-up (imports, CUDA) and the last shape's tail
+        assert ns.budget_s + 10 <= int({n: s for n, s, _ in _steps()}["head"])
     elif module == "bench.bench_loss":
         ns = bench_loss._parse_args(args)
         assert ns.impls == ["triton", "reference", "matmul"] and ns.device == "cuda"
@@ -102,6 +108,27 @@ def test_each_step_passes_its_command_valid_arguments(step, tmp_path):
         ns = _train_parser(sub).parse_args(args[1:])
         config = build_config({}, {k: v for k, v in vars(ns).items() if k not in ("command", "config")})
         assert config.device == "cuda" and config.steps == 50
+
+
+def test_the_summary_ends_with_the_heads_measured_vs_projected_table(tmp_path):
+    """The table the head step writes (``--md "$HEAD_MD"``) is what the summary prints last; a run in which the
+    head step did not write one prints none (the script removes a table left by an earlier run before any step)."""
+    text = _script()
+    assert re.search(r'^HEAD_MD=\$OUT/head_gpu\.md\b.*\nrm -f "\$HEAD_MD"$', text, re.M)
+    head = {name: argv for name, _, argv in _steps()}["head"]
+    assert head[head.index("--md") + 1] == "$HEAD_MD"
+    func = re.search(r"^summary\(\) \{\n.*?^\}\n", text, re.M | re.S).group(0)
+    table = bench_head.results_table([{
+        "N": 16384, "H": 4096, "V": 151936, "measured_ms": 120.0, "measured_gemm_ms": 80.0, "measured_ratio": 1.5,
+        "measured_extra_mib": 300.0, "check": "ok", "projected_ms": 115.0, "projected_gemm_ms": 82.5,
+        "projected_ratio": 1.39, "projected_extra_mib": 320.0, "profile": "h200"}])
+    (tmp_path / "head_gpu.md").write_text(table + "\n")
+    run = f"{func}\nstart=$(date +%s); SUMMARY=('device     rc=0'); OUT={tmp_path}; HEAD_MD=$OUT/$1; summary"
+    shown = subprocess.run(["bash", "-c", run, "bash", "head_gpu.md"], capture_output=True, text=True, check=True)
+    assert shown.stdout.rstrip().endswith(table) and "measured vs projected" in shown.stdout
+    assert "| 16384 x 4096 x 151936 | 120.00 | 80.00 | 1.50x | 115.00 | 82.50 | 1.39x |" in shown.stdout
+    none = subprocess.run(["bash", "-c", run, "bash", "absent.md"], capture_output=True, text=True, check=True)
+    assert "device     rc=0" in none.stdout and "|" not in none.stdout
 
 
 def test_setup_imports_grpo_fast_kernels_without_an_install(tmp_path):
