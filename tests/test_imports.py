@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                     "grpo_fast.testing", "grpo_fast.memory.models")),
     ("reference", ("grpo_fast.reference",)),
     # the chunked PyTorch algorithms and the Triton kernels with their launchers
-    ("implementations", ("grpo_fast.logprobs_torch", "grpo_fast.loss_torch", "grpo_fast.logprobs_triton",
+    ("implementations", ("grpo_fast.logprobs_torch", "grpo_fast.loss_torch",
                          "grpo_fast.kernels")),
     # torch.library custom ops wrapping the implementations
     ("custom ops", ("grpo_fast.ops",)),
