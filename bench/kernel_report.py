@@ -110,8 +110,7 @@ _LAYOUTS = (("aligned", 4096, 151936, 0, None),
             ("weight over 2 GiB", 8192, 151936, 0, None),
             ("weight over 2 GiB, 4 GiB scratch", 8192, 151936, 0, 4 * GIB))
 # token counts: both N buckets (``linear_logprobs.n_bucket``); with each target's SM count, N = 1000 splits the
-# forward's columns over several programs and N = 16384 does not (except on 304-CU gfx942: N = 65536, forward only)
-_N_FORWARD = {"aligned": (1000, 16384, 65536)}
+# forward's columns over several programs and N = 16384 does not (tests/test_kernel_gate.py checks both occur)
 _N = (1000, 16384)
 
 
@@ -145,7 +144,7 @@ def _logprob_launches():
     for dtype, (layout, h, v, off, budget) in itertools.product((torch.float32, torch.bfloat16, torch.float16),
                                                                 _LAYOUTS):
         tag = f"{dtype} {layout}"
-        for n, bias, softcap, entropy in itertools.product(_N_FORWARD.get(layout, _N), (False, True), (False, True),
+        for n, bias, softcap, entropy in itertools.product(_N, (False, True), (False, True),
                                                           (False, True)):
             def fwd(dtype=dtype, h=h, v=v, off=off, budget=budget, n=n, bias=bias, softcap=softcap, entropy=entropy):
                 linear_logprob_forward(_meta((n, h), dtype), _meta((v, h), dtype), _vector(n, torch.int64, off),
