@@ -6,20 +6,25 @@
     python -m bench.kernel_report --json rows.json # the rows as JSON as well (the tests read this)
 
 How. Each launcher (``grpo_fast.kernels.*``) launches through ``grpo_fast.kernels.launch.launch``; inside
-``launch.capture(target)`` that records the launch instead of running it and tells the launcher which GPU it is on, so
-the launcher picks its configuration for that target. The report calls the real launchers on meta tensors (no memory,
-any size) over a grid of inputs: every input dtype, every option flag, aligned inputs (16-byte pointers, H and row
-strides divisible by 16) and unaligned ones (a misaligned view of ``hidden``, odd H), and the option grid of the loss.
-Each recorded launch goes through Triton's own binder (``create_function_from_signature`` and ``_pack_args``, what
-``JITFunction.run`` does before it compiles), so the signature, constexprs and divisibility attributes are exactly
-those a launch on that GPU would compile; launches that specialise alike are compiled once. Every tile configuration
-in a launcher's table is also compiled for every target, not only where the launcher picks it.
+``launch.capture(target, sms)`` that records the launch instead of running it and tells the launcher which GPU it is
+on and how many SMs it has, so the launcher picks its configuration and grid for that target. The report calls the
+real launchers on meta tensors (no memory, any size) over a grid of inputs: every input dtype, every option flag,
+both N buckets of the log-prob table with and without the forward's column split, aligned inputs and misaligned
+pointers, odd sizes, a weight over 2 GiB and a chunk buffer over 2 GiB, and the option grid of the loss. The log-prob
+launchers' GEMMs go to cuBLAS, not to Triton: only their Triton launches are compiled. Each recorded launch goes
+through Triton's own binder (``create_function_from_signature`` and ``_pack_args``, what ``JITFunction.run`` does
+before it compiles), so the signature, constexprs and divisibility attributes are exactly those a launch on that GPU
+would compile; launches that specialise alike are compiled once. Every configuration in a launcher's table is also
+compiled for every target, not only where the launcher picks it.
 
 What a row says. ``registers`` and ``spill_bytes`` (stack + local memory per thread) from the cubin through the
 ``cuobjdump`` bundled with Triton's NVIDIA backend, ``tensor_cores`` from its SASS (HMMA / HGMMA / UTC*MMA); on AMD
 from the amdgcn assembly (``.vgpr_count``; spills are the scratch a VGPR spill needs, the private segment: SGPRs
 spilled into VGPR lanes cost no memory traffic; MFMA instructions). ``shared_bytes`` is Triton's
-dynamic shared memory (LDS on AMD). ``chosen`` is 1 where the launcher picks this configuration on this target.
+dynamic shared memory (LDS on AMD). ``dots``: the ``tt.dot`` operations in the kernel's TTIR (the tensor-core
+requirement applies where there is one). ``offsets_64bit``: for kernels with a row-stride parameter, whether the
+TTIR computes every row x stride product in i64. ``chosen`` is 1 where the launcher picks
+this configuration on this target.
 
 Cache. A compile takes seconds; the CSV doubles as the cache. Each row carries ``key``, a hash of the Triton version,
 the kernel's source (``JITFunction.cache_key``, which covers the jit functions it calls), the specialisation and the
@@ -68,11 +73,17 @@ TARGETS: dict[str, tuple[Target, int]] = {
     "gfx90a": (Target("hip", "gfx90a", 64), 64 * KIB),
     "gfx942": (Target("hip", "gfx942", 64), 64 * KIB),
 }
+# name -> SMs (CUs) of the target's best-known part, the count ``launch.capture`` gives the launchers (the forward's
+# column split follows it; it decides grids, not specialisations): A100 SXM, RTX 3090, RTX 4090, H100 SXM, B200,
+# RTX 5090, one MI250X die, MI300X
+TARGET_SMS = {"sm_80": 108, "sm_86": 82, "sm_89": 128, "sm_90a": 132, "sm_100a": 148, "sm_120": 170, "gfx90a": 110,
+              "gfx942": 304}
 COLUMNS = ("kernel", "target", "dtype", "num_warps", "num_stages", "constexprs", "registers", "spill_bytes",
-           "shared_bytes", "tensor_cores", "offsets_64bit", "fp32_scalars", "attrs", "shared_limit", "chosen", "aligned", "cases",
-           "compile_s", "error", "key")
+           "shared_bytes", "tensor_cores", "dots", "offsets_64bit", "fp32_scalars", "attrs", "shared_limit", "chosen",
+           "aligned", "cases", "compile_s", "error", "key")
 _TENSOR_CORE_SASS = re.compile(r"\b(HMMA|HGMMA|UTC\w*MMA|IMMA|QGMMA)\b")
 _MFMA = re.compile(r"\bv_(s?mfma|wmma)\w*")
+_TT_DOT = re.compile(r"= tt\.dot(_scaled)? ")  # a tl.dot (tl.dot_scaled) in the TTIR, before any lowering
 
 
 # ------------------------------------------------------------------------------------------------ the launch grid
@@ -85,60 +96,81 @@ def _meta(shape, dtype, offset_cols: int = 0) -> torch.Tensor:
     return torch.empty(rows, cols + offset_cols, dtype=dtype, device="meta")[:, offset_cols:]
 
 
-def _hidden(n, h, dtype, layout):
-    """``[n, h]`` hidden states: contiguous, or a view whose pointer is 2 bytes off 16 with an odd row stride
-    ("unaligned"), or a view whose pointer alone is off ("misaligned pointer": row stride a multiple of 16)."""
-    if layout == "misaligned pointer":
-        return torch.empty(n, h + 16, dtype=dtype, device="meta")[:, 1:h + 1]
-    return _meta((n, h), dtype, 1 if layout == "unaligned" else 0)
+# (layout, H, V, pointer offset, scratch budget): what Triton can specialise a log-prob launch on. The GEMMs take
+# ``hidden`` and the weight; the Triton kernels see the chunk buffers (the launcher's own scratch, or grad_weight's
+# rows in the backward), the bias (or the weight standing in for an absent bias), target ids and the [N] statistics.
+# So: aligned inputs; odd H and V with target ids and bias that start one element into their storage (a view such
+# as ``input_ids[:, 1:]``: 8 bytes off 16); a weight over 2 GiB (AMD specialises pointers into storage under 2 GiB
+# as 32-bit ranges: the absent bias's stand-in and the backward's chunk buffer in grad_weight lose that); and a
+# 4 GiB scratch budget, whose forward chunk buffer is over 2 GiB and whose row offsets ``rn * stride_z`` pass 2^31
+# bytes. (float32 weights at H = 4096 are over 2 GiB already.)
+GIB = 2**30
+_LAYOUTS = (("aligned", 4096, 151936, 0, None),
+            ("odd H and V, target ids and bias off by one element", 4095, 151935, 1, None),
+            ("weight over 2 GiB", 8192, 151936, 0, None),
+            ("weight over 2 GiB, 4 GiB scratch", 8192, 151936, 0, 4 * GIB))
+# token counts: both N buckets (``linear_logprobs.n_bucket``); with each target's SM count, N = 1000 splits the
+# forward's columns over several programs and N = 16384 does not (tests/test_kernel_gate.py checks both occur)
+_N = (1000, 16384)
 
 
-# (layout, H, V): the alignments Triton can specialise a launch on (pointers, H and row strides divisible by 16 or
-# not), and a weight over 2 GiB (AMD specialises pointers into storage under 2 GiB as 32-bit ranges)
-_LAYOUTS = (("aligned", 4096, 151936), ("unaligned", 4095, 151936), ("misaligned pointer", 4096, 151936),
-            ("weight over 2 GiB", 8192, 151936))
+def _vector(n, dtype, offset=0):
+    """A ``[n]`` meta tensor; ``offset`` > 0: a view that many elements into a longer one (a misaligned pointer)."""
+    return torch.empty(n + offset, dtype=dtype, device="meta")[offset:]
+
+
+def _plan():
+    """A launch plan whose GEMMs are checked for shape but not run. They go to cuBLAS, not to the compiler, and on
+    meta tensors a matmul is only shape arithmetic, which costs more than the rest of a launcher call."""
+    from grpo_fast.kernels.plan import Plan
+
+    class ShapePlan(Plan):
+        def gemm(self, name, a, b, out, *, accumulate=False):
+            if a.shape[1] != b.shape[0] or tuple(out.shape) != (a.shape[0], b.shape[1]):
+                raise ValueError(f"{name}: {tuple(a.shape)} @ {tuple(b.shape)} into {tuple(out.shape)}")
+
+    return ShapePlan()
 
 
 def _logprob_launches():
     """(description, input dtype, aligned, thunk) for the forward and backward log-prob launchers over dtypes,
-    flags, layouts and, for float32, both TF32 settings (the launcher's dot precision follows the user's switch)."""
-    from unittest import mock
+    layouts, token counts, bias / softcap / entropy and which upstream gradients exist (g, ge, both), with and
+    without the weight's gradient (the backward keeps its chunk buffer in grad_weight when that is wanted), with
+    every row active and with the active rows gathered (``rows`` from ``active_rows``, as the custom op passes).
+    Only the Triton launches are compiled: the GEMMs go to cuBLAS (``_plan`` checks their shapes)."""
+    from grpo_fast.kernels.linear_logprobs import linear_logprob_backward, linear_logprob_forward
 
-    from grpo_fast import dispatch
-    from grpo_fast.kernels.linear_logprobs import linear_logprob_forward
-    from grpo_fast.logprobs_torch import LogprobParams
-    from grpo_fast.logprobs_triton import triton_tile_grad
+    f32 = torch.float32
+    for dtype, (layout, h, v, off, budget) in itertools.product((torch.float32, torch.bfloat16, torch.float16),
+                                                                _LAYOUTS):
+        tag = f"{dtype} {layout}"
+        for n, bias, softcap, entropy in itertools.product(_N, (False, True), (False, True),
+                                                          (False, True)):
+            def fwd(dtype=dtype, h=h, v=v, off=off, budget=budget, n=n, bias=bias, softcap=softcap, entropy=entropy):
+                linear_logprob_forward(_meta((n, h), dtype), _meta((v, h), dtype), _vector(n, torch.int64, off),
+                                       _vector(v, dtype, off) if bias else None, 0.7, 30.0 if softcap else None,
+                                       entropy, plan=_plan(), budget=budget)
+            yield f"forward {tag} N={n} bias={bias} softcap={softcap} entropy={entropy}", dtype, not off, fwd
+        # rows: None (every row active) or the indices of the active rows, which the backward gathers into fresh
+        # [A] vectors (aligned, small: a target-id pointer attribute differs from the caller's); the gathered case
+        # over the dimensions that change what the kernels are passed, with both gradients and no softcap
+        for n, bias, softcap, grads, need_weight, gathered in itertools.product(
+                _N, (False, True), (False, True), ("g", "ge", "g+ge"), (True, False), (False, True)):
+            if gathered and (softcap or grads != "g+ge"):
+                continue
 
-    n = 4096
-    for dtype, (layout, h, v), tf32 in itertools.product((torch.float32, torch.bfloat16, torch.float16), _LAYOUTS,
-                                                         (True, False)):
-        if dtype != torch.float32 and not tf32:
-            continue  # the TF32 switch only matters for float32
-        aligned = layout in ("aligned", "weight over 2 GiB")
-        tag = f"{dtype} {layout}" + (f" tf32={tf32}" if dtype == torch.float32 else "")
-        for bias, softcap, entropy in itertools.product((False, True), repeat=3):
-            def fwd(dtype=dtype, h=h, v=v, layout=layout, tf32=tf32, bias=bias, softcap=softcap, entropy=entropy):
-                with mock.patch.object(dispatch, "tf32_allowed", lambda: tf32):
-                    linear_logprob_forward(_hidden(n, h, dtype, layout), _meta((v, h), dtype),
-                                           _meta((n,), torch.int64), _meta((v,), dtype) if bias else None, 0.7,
-                                           30.0 if softcap else None, entropy)
-            yield f"forward {tag} bias={bias} softcap={softcap} entropy={entropy}", dtype, aligned, fwd
-        for bias, softcap, grads, chunk_start in itertools.product(
-                (False, True), (False, True), ("g", "ge", "g+ge"), (0, 1) if layout == "unaligned" else (4096,)):
-            def bwd(dtype=dtype, h=h, v=v, layout=layout, tf32=tf32, bias=bias, softcap=softcap, grads=grads,
-                    c0=chunk_start):
-                r, c = 2048, 4096
-                w_c = _meta((v, h), dtype)[c0:c0 + c]  # a vocab chunk of the weight (c0 = 1: an odd row start)
-                rows = _hidden(r, h, dtype, layout).contiguous()  # the backward gathers rows: contiguous
-                col = lambda: _meta((r, 1), torch.float32)  # noqa: E731
-                params = LogprobParams(0.7, 30.0 if softcap else None, "ge" in grads)
-                with mock.patch.object(dispatch, "tf32_allowed", lambda: tf32):
-                    triton_tile_grad(rows, w_c, _meta((c,), torch.float32) if bias else None, _meta((r,), torch.int64),
-                                     _meta((r,), torch.float32) if "g" in grads.split("+") else None,
-                                     _meta((r,), torch.float32) if "ge" in grads else None, col(), col(),
-                                     col() if "ge" in grads else None, c0, c0 + c, params, torch.float32)
-            yield (f"backward dz {tag} chunk at {chunk_start} bias={bias} softcap={softcap} grads={grads}", dtype,
-                   aligned, bwd)
+            def bwd(dtype=dtype, h=h, v=v, off=off, budget=budget, n=n, bias=bias, softcap=softcap, grads=grads,
+                    need_weight=need_weight, gathered=gathered):
+                has_g, has_ge = "g" in grads.split("+"), "ge" in grads
+                linear_logprob_backward(
+                    _meta((n, h), dtype), _meta((v, h), dtype), _vector(n, torch.int64, off),
+                    _vector(v, dtype, off) if bias else None, _vector(n, f32), _vector(n, f32),
+                    _vector(n, f32) if has_ge else None, _vector(n, f32) if has_g else None,
+                    _vector(n, f32) if has_ge else None, 0.7, 30.0 if softcap else None,
+                    True, need_weight, bias, rows=_vector(n - n // 4, torch.int64) if gathered else None,
+                    plan=_plan(), budget=budget)
+            yield (f"backward {tag} N={n} bias={bias} softcap={softcap} grads={grads} need_weight={need_weight}"
+                   f"{' active rows gathered' if gathered else ''}", dtype, not off, bwd)
 
 
 def _loss_launches():
@@ -181,28 +213,28 @@ def _advantage_launches():
 
 
 def _config_launches():
-    """Every tile configuration of the log-prob launchers' table, on every target (not only where it is chosen):
-    the bf16 forward and backward at each distinct configuration."""
+    """Every configuration of the log-prob launchers' table, on every target (not only where it is chosen): the bf16
+    forward and backward with entropy and both upstream gradients, at a small and a large N (so the forward runs
+    with and without a column split) under each distinct configuration."""
     from grpo_fast.kernels import linear_logprobs as ll
-    from grpo_fast.logprobs_torch import LogprobParams
-    from grpo_fast.logprobs_triton import triton_tile_grad
 
-    for fwd_cfg, bwd_cfg in sorted(set(ll.CONFIGS.values()), key=repr):
-        def run(fwd_cfg=fwd_cfg, bwd_cfg=bwd_cfg):
+    f32 = torch.float32
+    for cfg in sorted(set(ll.CONFIGS.values()), key=repr):
+        def run(cfg=cfg):
             table = dict(ll.CONFIGS)
-            try:  # every family picks this configuration for the one launch
-                ll.CONFIGS.update({k: (fwd_cfg, bwd_cfg) for k in table})
-                hidden = _meta((4096, 4096), torch.bfloat16)
-                ll.linear_logprob_forward(hidden, _meta((151936, 4096), torch.bfloat16), _meta((4096,), torch.int64),
-                                          None, 1.0, None, True)
-                col = lambda: _meta((2048, 1), torch.float32)  # noqa: E731
-                triton_tile_grad(_meta((2048, 4096), torch.bfloat16), _meta((4096, 4096), torch.bfloat16), None,
-                                 _meta((2048,), torch.int64), _meta((2048,), torch.float32), None, col(), col(), None,
-                                 0, 4096, LogprobParams(), torch.float32)
+            try:  # every family and N bucket picks this configuration
+                ll.CONFIGS.update({k: cfg for k in table})
+                for n in (1000, 16384):
+                    hidden, weight = _meta((n, 4096), torch.bfloat16), _meta((151936, 4096), torch.bfloat16)
+                    ll.linear_logprob_forward(hidden, weight, _vector(n, torch.int64), None, 1.0, None, True,
+                                              plan=_plan())
+                    ll.linear_logprob_backward(hidden, weight, _vector(n, torch.int64), None, _vector(n, f32),
+                                               _vector(n, f32), _vector(n, f32), _vector(n, f32), _vector(n, f32), 1.0,
+                                               None, True, True, False, rows=None, plan=_plan())
             finally:
                 ll.CONFIGS.clear()
                 ll.CONFIGS.update(table)
-        yield f"table configuration {fwd_cfg} / {bwd_cfg}", torch.bfloat16, True, run
+        yield f"table configuration {cfg}", torch.bfloat16, True, run
 
 
 GRIDS = {"logprobs": _logprob_launches, "loss": _loss_launches, "advantages": _advantage_launches}
@@ -230,6 +262,7 @@ class Spec:
     aligned: bool
     chosen: bool
     cases: list[str]
+    grids: set = dataclasses.field(default_factory=set)  # every grid the launch was made with
 
     def attrs_json(self) -> str:
         """Triton's specialisation attributes by parameter (divisibility by 16, AMD's 32-bit pointer ranges)."""
@@ -251,10 +284,13 @@ def _gpu_target(target: Target) -> GPUTarget:
 
 
 _BINDERS: dict = {}
+_SPECIALISED: dict = {}
 
 
-def specialise(launch: Launch, target: Target) -> tuple[dict, dict, dict, dict]:
-    """(signature, constexprs, attrs, options) exactly as ``JITFunction.run`` would build them on ``target``."""
+def specialise(launch: Launch, target: Target, target_name: str) -> tuple[dict, dict, dict, dict, str]:
+    """(signature, constexprs, attrs, options, row key) exactly as ``JITFunction.run`` would build them on
+    ``target``. The binder's (specialisation, options) is Triton's own in-memory cache key for a compile
+    (``compute_cache_key``): launches equal on it share one result, so the rest is computed once per compile."""
     kernel = launch.kernel
     backend_key = (id(kernel), target)
     if backend_key not in _BINDERS:
@@ -264,18 +300,22 @@ def specialise(launch: Launch, target: Target) -> tuple[dict, dict, dict, dict]:
     kwargs = dict(launch.constexprs, num_warps=launch.num_warps, num_stages=launch.num_stages)
     kwargs["debug"] = False
     bound, specialization, options = binder(*launch.args, **kwargs)
-    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return signature, constexprs, attrs, options.__dict__
+    memo = (id(kernel), target_name, tuple(specialization), str(options))
+    if memo not in _SPECIALISED:
+        options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+        _SPECIALISED[memo] = (signature, constexprs, attrs, options.__dict__,
+                              _key(launch, target_name, signature, constexprs, attrs, options.__dict__))
+    return _SPECIALISED[memo]
 
 
-_TRITON_DIR = str(Path(triton.__file__).resolve().parent)
+_TRITON_DIRS = (str(Path(triton.__file__).resolve().parent), str(Path(triton.__file__).parent))
 
 
 def _key(launch: Launch, target_name: str, signature, constexprs, attrs, options) -> str:
     """The row's cache key. Options hold absolute paths (libdevice, ROCm's bitcode libraries inside the triton
     package): they are made relative to the package, so that the key is the same in every checkout and venv."""
     def plain_option(v) -> str:
-        return repr(v).replace(_TRITON_DIR, "<triton>").replace(str(Path(triton.__file__).parent), "<triton>")
+        return repr(v).replace(_TRITON_DIRS[0], "<triton>").replace(_TRITON_DIRS[1], "<triton>")
 
     blob = json.dumps([triton.__version__, launch.kernel.cache_key, target_name, signature,
                        sorted((list(k), _plain(v)) for k, v in constexprs.items()),
@@ -288,19 +328,19 @@ def enumerate_specs(targets=TARGETS, kernels=tuple(GRIDS)) -> list[Spec]:
     """Every distinct compile the launchers can produce on each target, plus every table configuration."""
     specs: dict[str, Spec] = {}
     for name, (target, _) in targets.items():
-        for grid, chosen in ((launch_grid(kernels), True), (_config_launches(), False)):
+        configs = _config_launches() if "logprobs" in kernels else ()
+        for grid, chosen in ((launch_grid(kernels), True), (configs, False)):
             for desc, dtype, aligned, thunk in grid:
-                with capture(target) as launches:
+                with capture(target, sms=TARGET_SMS[name]) as launches:
                     thunk()
                 for launch in launches:
-                    sig, cex, attrs, opts = specialise(launch, target)
-                    key = _key(launch, name, sig, cex, attrs, opts)
-                    if key in specs:
-                        specs[key].chosen |= chosen
-                        specs[key].cases.append(desc)
-                        continue
-                    specs[key] = Spec(launch, name, sig, cex, attrs, opts, key, str(dtype).replace("torch.", ""),
-                                      aligned, chosen, [desc])
+                    sig, cex, attrs, opts, key = specialise(launch, target, name)
+                    if key not in specs:
+                        specs[key] = Spec(launch, name, sig, cex, attrs, opts, key, str(dtype).replace("torch.", ""),
+                                          aligned, chosen, [])
+                    specs[key].chosen |= chosen
+                    specs[key].cases.append(desc)
+                    specs[key].grids.add(launch.grid)
     return list(specs.values())
 
 
@@ -334,13 +374,20 @@ def _amd_resources(asm: str) -> dict:
 
 
 def offsets_64bit(ttir: str) -> str:
-    """For kernels that index the ``[V, H]`` weight by ``stride_w``: "1" if the compiled code widens ``stride_w`` to
-    i64 before any multiply (``rv * stride_w`` reaches V * H >= 2^31), "0" if it multiplies it as i32; "" otherwise."""
-    if "%stride_w:" not in ttir:
+    """For kernels that address a 2-D buffer by a row stride (a parameter ``stride_*``: the log-prob kernels' ``[N,
+    C]`` chunk buffers, where ``rn * stride_z`` passes 2^31 elements or bytes at large N x C): "1" if the TTIR
+    widens every stride parameter to i64 before any multiply (so row x stride is an i64 product), "0" if a stride is
+    multiplied, or splat for a multiply, as i32; "" for kernels without a stride parameter."""
+    strides = re.findall(r"%(stride_\w+): i32", ttir)
+    if not strides:
         return ""
-    widened = re.search(r"arith\.extsi %stride_w : i32 to i64", ttir) is not None
-    narrow = re.search(r"tt\.splat %stride_w : i32 -> tensor<[^>]*xi32>|arith\.muli [^\n]*%stride_w\b[^\n]*: i32", ttir)
-    return "1" if widened and narrow is None else "0"
+    for name in strides:
+        widened = re.search(rf"arith\.extsi %{name} : i32 to i64", ttir)
+        narrow = re.search(rf"tt\.splat %{name} : i32 -> tensor<[^>]*xi32>|arith\.muli [^\n]*%{name}\b[^\n]*: i32",
+                           ttir)
+        if widened is None or narrow is not None:
+            return "0"
+    return "1"
 
 
 def compile_spec(spec: Spec) -> dict:
@@ -363,34 +410,38 @@ def compile_spec(spec: Spec) -> dict:
             res = _amd_resources(compiled.asm["amdgcn"])
         row.update(registers=res["registers"], spill_bytes=res["spill_bytes"], tensor_cores=res["tensor_cores"],
                    shared_bytes=max(compiled.metadata.shared, res["static_shared"]),
-                   offsets_64bit=offsets_64bit(compiled.asm["ttir"]))
+                   dots=len(_TT_DOT.findall(compiled.asm["ttir"])), offsets_64bit=offsets_64bit(compiled.asm["ttir"]))
     except Exception as e:  # a configuration that does not compile is a row of the report, and fails the gate
-        row.update(registers="", spill_bytes="", shared_bytes="", tensor_cores="", offsets_64bit="",
+        row.update(registers="", spill_bytes="", shared_bytes="", tensor_cores="", dots="", offsets_64bit="",
                    error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     row["compile_s"] = round(time.perf_counter() - t0, 2)
     return row
 
 
-def _compile_key(key: str) -> dict:  # a worker process rebuilds the specs (cheap) and compiles one
-    return compile_spec(next(s for s in _worker_specs() if s.key == key))
+def _compile_key(job: tuple[str, str]) -> dict:
+    """Compile the spec ``(target name, key)``. A forked worker has the parent's specs; a spawned one enumerates
+    that target's (a few seconds)."""
+    target_name, key = job
+    return compile_spec(next(s for s in _worker_specs(target_name) if s.key == key))
 
 
-_SPECS_CACHE: list[Spec] | None = None
+_SPECS_CACHE: dict[str, list[Spec]] = {}
 _KERNELS = tuple(GRIDS)
 
 
-def _worker_specs() -> list[Spec]:
-    global _SPECS_CACHE
-    if _SPECS_CACHE is None:
-        _SPECS_CACHE = enumerate_specs(kernels=_KERNELS)
-    return _SPECS_CACHE
+def _worker_specs(target_name: str) -> list[Spec]:
+    if target_name not in _SPECS_CACHE:
+        _SPECS_CACHE[target_name] = enumerate_specs({target_name: TARGETS[target_name]}, kernels=_KERNELS)
+    return _SPECS_CACHE[target_name]
 
 
 def read_csv(path: Path = CSV_PATH) -> dict[str, dict]:
+    """The CSV's rows by key; a row written before a column existed is left out (compiled again)."""
     if not path.exists():
         return {}
     with open(path, newline="") as f:
-        return {row["key"]: row for row in csv.DictReader(line for line in f if not line.startswith("#"))}
+        return {row["key"]: row for row in csv.DictReader(line for line in f if not line.startswith("#"))
+                if all(row.get(col) is not None for col in COLUMNS)}
 
 
 def write_csv(rows: list[dict], path: Path = CSV_PATH, command: str = "") -> None:
@@ -413,9 +464,10 @@ def build(recompile: bool = False, workers: int = 2, verify: int = 0, progress=p
           kernels=tuple(GRIDS), cached_only: bool = False) -> tuple[list[dict], list[str]]:
     """Rows for every spec (from the CSV where its key is unchanged, else compiled, or with ``cached_only`` marked
     MISSING); ``verify`` rows recompiled and compared. Returns (rows, problems found by verification)."""
-    global _KERNELS, _SPECS_CACHE
-    _KERNELS, _SPECS_CACHE = tuple(kernels), None
-    specs = _worker_specs()
+    global _KERNELS
+    _KERNELS = tuple(kernels)
+    _SPECS_CACHE.clear()
+    specs = [s for name in TARGETS for s in _worker_specs(name)]
     cached = {} if recompile else read_csv()
     todo = [s for s in specs if s.key not in cached]
     rows = {s.key: cached[s.key] for s in specs if s.key in cached}
@@ -424,24 +476,32 @@ def build(recompile: bool = False, workers: int = 2, verify: int = 0, progress=p
             rows[s.key] = dict(kernel=s.launch.name, target=s.target_name, dtype=s.dtype, constexprs=s.constexprs_json(),
                                fp32_scalars="", attrs=s.attrs_json(),
                                num_warps=s.launch.num_warps, num_stages=s.launch.num_stages, registers="",
-                               spill_bytes="", shared_bytes="", tensor_cores="", offsets_64bit="",
+                               spill_bytes="", shared_bytes="", tensor_cores="", dots="", offsets_64bit="",
                                shared_limit=TARGETS[s.target_name][1], aligned=int(s.aligned), key=s.key, compile_s="",
                                error=MISSING)
         todo = []
     progress(f"kernel_report: {len(specs)} compiles over {len(TARGETS)} targets; {len(rows)} from the CSV, "
              f"{len(todo)} to compile")
     problems = []
-    # the verification sample: the chosen 16-bit log-prob launches on three targets, compiled afresh (an empty
-    # Triton cache directory in the workers) and compared with the CSV
-    sample = [s for s in specs if s.chosen and s.dtype == "bfloat16" and s.key in cached
-              and s.target_name in ("sm_90a", "sm_120", "gfx942") and "linear_logprob" in s.launch.name]
-    by_target: dict[str, list[Spec]] = {}
-    for spec in sorted(sample, key=lambda s: (not s.aligned, s.launch.name, s.key)):
-        by_target.setdefault(spec.target_name, []).append(spec)
-    sample = [spec for group in zip(*by_target.values()) for spec in group][:verify]  # round-robin over targets
+    # the verification sample: chosen log-prob launches on three targets (bf16 inputs first, then aligned ones; the
+    # merge kernel takes no input-dtype tensor and carries the first dtype that launched it), compiled afresh (an
+    # empty Triton cache directory in the workers) and compared with the CSV; round-robin over targets and, within a
+    # target, over the kernels from a different first kernel per target, so that two rows per target cover every
+    # log-prob kernel
+    sample = [s for s in specs if s.chosen and s.key in cached and "linear_logprob" in s.launch.name
+              and s.target_name in ("sm_90a", "sm_120", "gfx942")]
+    by_target: dict[str, dict[str, list[Spec]]] = {}
+    for spec in sorted(sample, key=lambda s: (s.dtype != "bfloat16", not s.aligned, s.launch.name, s.key)):
+        by_target.setdefault(spec.target_name, {}).setdefault(spec.launch.name, []).append(spec)
+    rotated = {}
+    for i, (t, kernels) in enumerate(sorted(by_target.items())):
+        groups = [kernels[k] for k in sorted(kernels)]
+        groups = groups[i % len(groups):] + groups[:i % len(groups)]
+        rotated[t] = [s for group in itertools.zip_longest(*groups) for s in group if s is not None]
+    sample = [spec for group in zip(*rotated.values()) for spec in group][:verify]
     t0 = time.perf_counter()
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
-        for i, row in enumerate(pool.map(_compile_key, [s.key for s in todo]), 1):
+        for i, row in enumerate(pool.map(_compile_key, [(s.target_name, s.key) for s in todo]), 1):
             rows[row["key"]] = row
             if i % 10 == 0 or i == len(todo):
                 progress(f"kernel_report: {i}/{len(todo)} compiled ({time.perf_counter() - t0:.0f} s)")
@@ -449,35 +509,39 @@ def build(recompile: bool = False, workers: int = 2, verify: int = 0, progress=p
         with tempfile.TemporaryDirectory() as cache_dir, concurrent.futures.ProcessPoolExecutor(
                 max_workers=max(1, workers), initializer=os.environ.__setitem__,
                 initargs=("TRITON_CACHE_DIR", cache_dir)) as pool:
-            for row in pool.map(_compile_key, [s.key for s in sample]):
+            for row in pool.map(_compile_key, [(s.target_name, s.key) for s in sample]):
                 old = rows[row["key"]]
-                for col in ("registers", "spill_bytes", "shared_bytes", "tensor_cores", "offsets_64bit"):
+                for col in ("registers", "spill_bytes", "shared_bytes", "tensor_cores", "dots", "offsets_64bit"):
                     if str(old[col]) != str(row[col]):
                         problems.append(f"{row['kernel']} on {row['target']}: CSV says {col}={old[col]}, "
                                         f"the compiler says {row[col]}")
     if sample:
         progress(f"kernel_report: verified {len(sample)} rows against a fresh compile, {len(problems)} mismatches")
-    return [rows[s.key] | {"chosen": int(s.chosen), "cases": len(s.cases)} for s in specs], problems
+    # the JSON rows also carry every grid a spec was launched with and whether this run recompiled them to verify
+    # (not compile results: not in the CSV)
+    verified = {s.key for s in sample}
+    return [rows[s.key] | {"chosen": int(s.chosen), "cases": len(s.cases), "grids": sorted(s.grids),
+                           "verified": int(s.key in verified)} for s in specs], problems
 
 
 def gate_failures(row: dict) -> list[str]:
     """Why a row fails the gate: it must compile; a launch the launcher chooses on its target must also fit that
-    target's shared memory and not spill, and a chosen 16-bit log-prob launch must use tensor cores. (A table
-    configuration compiled on a target it is not chosen for only has to compile.)"""
+    target's shared memory and not spill, and a chosen 16-bit launch of a kernel with a ``tl.dot`` (read from its
+    TTIR: ``dots``) must use tensor cores. Every row: 64-bit row offsets where the kernel has a row stride, no fp32
+    scalar in a float64 kernel. (A table configuration compiled on a target it is not chosen for only has to
+    compile and pass the offset check.)"""
     if row["error"]:
         return [f"does not compile: {row['error']}"]
     out = []
     if int(row["chosen"]) and int(row["shared_bytes"]) > int(row["shared_limit"]):
         out.append(f"shared memory {row['shared_bytes']} > {row['shared_limit']}")
-    if int(row["chosen"]) and row["dtype"] in ("bfloat16", "float16") and "linear_logprob" in row["kernel"]:
-        if int(row["spill_bytes"]):
-            out.append(f"spills {row['spill_bytes']} bytes")
-        if not int(row["tensor_cores"]):
-            out.append("no tensor-core instructions")
     if int(row["chosen"]) and int(row["spill_bytes"]):
         out.append(f"spills {row['spill_bytes']} bytes")
+    if int(row["chosen"]) and row["dtype"] in ("bfloat16", "float16") and int(row["dots"]) and \
+            not int(row["tensor_cores"]):
+        out.append(f"{row['dots']} tl.dot without tensor-core instructions")
     if row["offsets_64bit"] == "0":
-        out.append("weight offsets computed in int32")
+        out.append("row offsets computed in int32")
     if row["dtype"] == "float64" and row["fp32_scalars"]:
         out.append(f"float64 kernel takes fp32 scalars: {row['fp32_scalars']}")
     return sorted(set(out))
@@ -485,7 +549,8 @@ def gate_failures(row: dict) -> list[str]:
 
 def summary(rows: list[dict]) -> str:
     """The README table in short: per kernel and target, how many specialisations compile, and over the launches
-    the launchers choose there: the most registers, spill bytes and shared memory, and tensor cores in 16-bit."""
+    the launchers choose there: the most registers, spill bytes and shared memory, and tensor cores in 16-bit
+    ("n/a" for kernels without ``tl.dot``)."""
     lines = ["| kernel | target | compile | chosen: max registers | spill bytes | max shared KiB (limit) | tensor cores |",
              "|---|---|---:|---:|---:|---|---|"]
     by = {}
@@ -494,7 +559,7 @@ def summary(rows: list[dict]) -> str:
     for (kernel, target), rs in sorted(by.items(), key=lambda kv: (kv[0][0], list(TARGETS).index(kv[0][1]))):
         compiled = [r for r in rs if not r["error"]]
         ok = [r for r in compiled if int(r["chosen"])]
-        tc = {int(r["tensor_cores"]) for r in ok if r["dtype"] in ("bfloat16", "float16")}
+        tc = {int(r["tensor_cores"]) for r in ok if r["dtype"] in ("bfloat16", "float16") and int(r["dots"])}
         lines.append(f"| `{kernel}` | {target} | {len(compiled)}/{len(rs)} | {max(int(r['registers']) for r in ok)} | "
                      f"{max(int(r['spill_bytes']) for r in ok)} | {max(int(r['shared_bytes']) for r in ok) / KIB:.0f} "
                      f"({int(rs[0]['shared_limit']) // KIB}) | {'yes' if tc == {1} else 'n/a' if not tc else 'NO'} |")

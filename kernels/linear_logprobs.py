@@ -219,11 +219,13 @@ class TileConfig:
 
 # (GPU family, N bucket) -> configuration of the memory-bound kernels. The kernels stream the chunk buffer once, so
 # the tile only has to keep loads coalesced (256 contiguous columns: 512 bytes of bf16 per row) and registers low;
-# fewer rows per program for small N keep more programs in flight before the column split is needed. Held by the
-# static gate (no spills, shared memory within limits) on every target of the family; not tuned on hardware.
+# 16 rows per program: the gate found 32-row tiles spilling on NVIDIA targets (32 x 256 / 8 warps: _chunk_stats
+# 8-728 bytes and _chunk_dlogits 8-40 bytes on every one; 32 x 128: at 4 warps everywhere, at 8 on sm_90a/sm_120),
+# 16-row tiles not (at most 251 registers); large N gets 8 warps. Held by the static gate (no spills, shared memory
+# within limits) on every target of the family; not tuned on hardware.
 N_BUCKETS = ((4096, "small"), (None, "large"))
 _SMALL = TileConfig(16, 256, 4)
-_LARGE = TileConfig(32, 256, 8)
+_LARGE = TileConfig(16, 256, 8)
 CONFIGS: dict[tuple[str, str], TileConfig] = {
     (family, bucket): cfg for family in dispatch.GATED_FAMILIES for bucket, cfg in (("small", _SMALL), ("large", _LARGE))
 }
