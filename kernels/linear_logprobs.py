@@ -4,11 +4,12 @@ and nothing of size ``N x V`` exists at any time.
 
 Forward (``linear_logprob_forward``). For each vocabulary chunk ``[c0, c0 + C)``: one GEMM writes the chunk's raw
 logits ``h @ W[c0:c0+C]^T`` (``[N, C]``, input dtype, into one reused buffer), then ``_chunk_stats`` shapes them
-(bias, softcap, 1 / temperature) and folds them into per-row running statistics: the max ``m`` (fp32), ``s = sum
-exp(z - m)`` and ``t = sum exp(z - m)(z - m)`` (float64: they carry over every chunk) and the target logit. When there
-are fewer row blocks than twice the GPU's SMs, each chunk's columns are split over ``S`` programs per row block, each
-keeping its own statistics; ``_stats_finalize`` merges the ``S`` partial statistics in a fixed order (deterministic)
-into ``logp = (z_y - m) - log s``, ``entropy = log s - t / s``, ``m`` and ``log s``. Launches: ``2 V / C + 1``.
+(bias, softcap, 1 / temperature) and folds them into per-row running statistics: the max ``m``, ``s = sum exp(z - m)``
+and ``t = sum exp(z - m)(z - m)`` (fp32 over a program's columns of one chunk, float64 across chunks: they carry over
+every chunk) and the target logit. When there are fewer row blocks than twice the GPU's SMs, each chunk's columns are
+split over ``S`` programs per row block, each keeping its own statistics; ``_stats_finalize`` merges the ``S``
+partial statistics in a fixed order (deterministic) into ``logp = (z_y - m) - log s``, ``entropy = log s - t / s``,
+``m`` and ``log s``. Launches: ``2 V / C + 1``.
 
 Backward (``linear_logprob_backward``). Vocabulary chunks outer, over the active rows only (rows whose upstream
 gradients are not both exactly zero; gathered once): per chunk one GEMM recomputes the raw logits of all active rows,
@@ -16,15 +17,18 @@ gradients are not both exactly zero; gathered once): per chunk one GEMM recomput
 in the input dtype, then ``dW[c0:c0+C] = dz^T @ h`` is one GEMM with K = the active rows (written once: no fp32
 ``V x H`` buffer, no atomics, deterministic) and ``dh += dz @ W[c0:c0+C]`` is one GEMM accumulating into an fp32
 ``[rows, H]`` matrix (``out_dtype``: fp32 accumulation inside cuBLAS, no rounded product, no second pass); ``db`` is a
-column sum. Launches: ``4 V / C`` plus a handful. FLOPs: ``8 N H V`` with the forward.
+column sum. Launches: ``4 V / C`` plus a handful. FLOPs: ``8 N H V`` with the forward. Without a weight gradient (a
+frozen lm_head) the rows go in stripes instead, each over the whole vocabulary (``_rows_outer``).
 
-Memory. The forward's logits buffer and the backward's ``dz`` buffer are bounded by ``scratch_bytes()`` (64 MiB unless
-``GRPO_FAST_SCRATCH_MIB`` says otherwise). When the weight's gradient is wanted, the backward walks the vocabulary from
-the end and keeps its ``dz`` buffer in the rows of ``grad_weight`` that no chunk has written yet, so its chunks are
-larger than the budget allows (fewer launches) at no memory cost; the first rows of the vocabulary, where that space
-runs out, go through a budget-sized buffer. The gathered active rows live in ``grad_hidden``'s storage until the end.
-The fp32 ``dh`` accumulator (``4 N H`` bytes; none for float32 inputs without gathering) is the one temporary that
-grows with N: DESIGN.md §5 accumulates ``dh`` in fp32, and a vocabulary-outer sweep must hold it for every row.
+Memory. Temporaries stay within ``scratch_bytes()`` (64 MiB unless ``GRPO_FAST_SCRATCH_MIB`` says otherwise). The
+forward's logits buffer takes the budget. When the weight's gradient is wanted, the backward walks the vocabulary from
+the end and keeps its ``dz`` buffer in the rows of ``grad_weight`` that no chunk has written yet (chunks wider than
+the budget allows, fewer launches, no memory); the first rows of the vocabulary go through a budget-sized buffer. The
+gathered active rows live in ``grad_hidden``'s storage until the end. The fp32 ``dh`` accumulator (``4 rows H``
+bytes: DESIGN.md §5 accumulates ``dh`` in fp32, and a vocabulary-outer sweep holds it for every row) is a temporary
+when it is at most half the budget; else it lives in the gradients' own storage, in grad_hidden's free bytes and, for
+the rest, in the last rows of grad_weight, whose ``dW`` is recomputed once the accumulator is cast (``BackwardLayout``,
+``backward_layout``: 0.22 NHV more FLOPs at N = 16384, V = 151936).
 
 The plan. Every GEMM, kernel and torch op goes through a ``plan.Plan``, which records it; ``bench/cost_model.py``
 prices the plan these same functions produce on meta tensors for a named GPU.
@@ -92,21 +96,15 @@ def _chunk_stats(
     pid_s = tl.program_id(1).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
-    state = pid_s * N + rn
-    if first:
-        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-        s = tl.zeros((BLOCK_N,), tl.float64)
-        t = tl.zeros((BLOCK_N,), tl.float64)
-    else:
-        m = tl.load(m_ptr + state, mask=nmask, other=float("-inf"))
-        s = tl.load(s_ptr + state, mask=nmask, other=0.0)
-        t = tl.zeros((BLOCK_N,), tl.float64)
-        if RETURN_ENTROPY:
-            t = tl.load(t_ptr + state, mask=nmask, other=0.0)
-    y = tl.load(y_ptr + rn, mask=nmask, other=-1) - c0
+    y = (tl.load(y_ptr + rn, mask=nmask, other=-1) - c0).to(tl.int32)  # the target's column in this chunk
+    # this program's columns of this chunk, in fp32 (a few dozen column tiles); folded into the float64 statistics,
+    # which carry over every chunk, once at the end
+    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_N,), tl.float32)
+    t = tl.zeros((BLOCK_N,), tl.float32)
     zy = tl.zeros((BLOCK_N,), tl.float32)
     found = tl.zeros((BLOCK_N,), tl.int32)
-    lo = pid_s * split
+    lo = (pid_s * split).to(tl.int32)
     hi = tl.minimum(lo + split, C)
     for j0 in range(lo, hi, BLOCK_C):
         rc = j0 + tl.arange(0, BLOCK_C)
@@ -120,17 +118,33 @@ def _chunk_stats(
         found += tl.sum(hit.to(tl.int32), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
         delta = tl.where(s > 0, m - m_new, 0.0)  # m = -inf before the first column, where s = t = 0
-        alpha = tl.exp(delta).to(tl.float64)
+        alpha = tl.exp(delta)
         zm = z - m_new[:, None]
         e = tl.exp(zm)
+        if RETURN_ENTROPY:  # every term e (z - m) <= 0: no cancellation in fp32
+            t = alpha * (t + delta * s) + tl.sum(tl.where(cmask[None, :], e * zm, 0.0), 1)
+        s = alpha * s + tl.sum(e, 1)
+        m = m_new
+    state = pid_s * N + rn
+    s64 = s.to(tl.float64)
+    t64 = t.to(tl.float64)
+    if not first:  # fold into the split's running statistics (an empty side has s = 0 and weighs nothing)
+        m_run = tl.load(m_ptr + state, mask=nmask, other=float("-inf"))
+        s_run = tl.load(s_ptr + state, mask=nmask, other=0.0)
+        m_new = tl.maximum(m_run, m)
+        d_run = tl.where(s_run > 0, m_run - m_new, 0.0)
+        d_loc = tl.where(s > 0, m - m_new, 0.0)
+        a_run = tl.where(s_run > 0, tl.exp(d_run), 0.0).to(tl.float64)
+        a_loc = tl.where(s > 0, tl.exp(d_loc), 0.0).to(tl.float64)
         if RETURN_ENTROPY:
-            t = alpha * (t + delta.to(tl.float64) * s) + tl.sum(tl.where(cmask[None, :], e * zm, 0.0), 1).to(tl.float64)
-        s = alpha * s + tl.sum(e, 1).to(tl.float64)
+            t_run = tl.load(t_ptr + state, mask=nmask, other=0.0)
+            t64 = a_run * (t_run + d_run.to(tl.float64) * s_run) + a_loc * (t64 + d_loc.to(tl.float64) * s64)
+        s64 = a_run * s_run + a_loc * s64
         m = m_new
     tl.store(m_ptr + state, m, mask=nmask)
-    tl.store(s_ptr + state, s, mask=nmask)
+    tl.store(s_ptr + state, s64, mask=nmask)
     if RETURN_ENTROPY:
-        tl.store(t_ptr + state, t, mask=nmask)
+        tl.store(t_ptr + state, t64, mask=nmask)
     tl.store(zy_ptr + rn, zy, mask=nmask & (found > 0))
 
 
@@ -377,7 +391,7 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
         split = triton.cdiv(triton.cdiv(c, splits), cfg.block_c) * cfg.block_c
         plan.kernel(
             "chunk_stats", _chunk_stats, (triton.cdiv(n, cfg.block_n), splits),
-            z, weight if bias is None else bias, target_ids, run_m, run_s, run_t, zy,
+            z, z if bias is None else bias, target_ids, run_m, run_s, run_t, zy,
             n, c, c0, z.stride(0), split, inv_temp, cap, int(c0 == 0), int(bias is not None), int(softcap is not None),
             reads=(z, None if bias is None else bias[c0:c0 + c], target_ids, *((run_m, run_s) if c0 else ()),
                    *((run_t,) if c0 and return_entropy else ())),
@@ -536,7 +550,7 @@ def _dlogits(plan, z, h_rows, weight, bias, y, m, log_s, ent, g, ge, c0, c1, tem
     cfg = tile_config(z.device, r)
     plan.kernel(
         "chunk_dlogits", _chunk_dlogits, (triton.cdiv(r, cfg.block_n), triton.cdiv(c, cfg.block_c)),
-        z, weight if bias is None else bias, y, m, log_s, m if ent is None else ent, m if g is None else g,
+        z, z if bias is None else bias, y, m, log_s, m if ent is None else ent, m if g is None else g,
         m if ge is None else ge, r, c, c0, z.stride(0), 1.0 / temperature, 1.0 if softcap is None else softcap,
         int(bias is not None), int(softcap is not None), int(g is not None), int(ge is not None),
         reads=(z, None if bias is None else bias[c0:c1], y if g is not None else None, m, log_s, ent, g, ge),
