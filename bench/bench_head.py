@@ -51,14 +51,15 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_head.py
 import torch
 
 from bench import harness
+from bench.cost_model import PROFILES
 
 BENCHMARK = "head_fwd_bwd"
 DTYPE = "bf16"
 DEFAULT_SHAPES = ("4096x4096x151936", "16384x4096x151936")
 CHECK_ROWS = 256  # rows of the fused log-probs checked against the float64 reference
-# SM counts of the cost model's device profiles (public datasheets; SXM parts for h100/h200/a100), for a GPU whose
-# name matches none of them. Listed in the order a tie (H100 and H200 both have 132) resolves.
-PROFILE_SMS = {"h100": 132, "h200": 132, "a100": 108, "rtx4090": 128}
+# SM counts of the cost model's device profiles, for a GPU whose name matches none of them; a tie (H100 and H200 both
+# have 132) resolves to the first in the cost model's order
+PROFILE_SMS = {name: profile.sms for name, profile in PROFILES.items()}
 # substring of the lower-cased device name (letters and digits only) -> profile
 PROFILE_NAMES = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("4090", "rtx4090"))
 
@@ -398,14 +399,6 @@ def dry_run(args) -> int:
         profile, how = _cuda_profile(args)
     else:
         profile, how = "h100", "no GPU here: the issue's reference profile"
-    try:
-        importlib.import_module("bench.cost_model")
-    except ModuleNotFoundError as e:
-        if e.name != "bench.cost_model":
-            raise
-        print("bench_head: --dry-run prints bench/cost_model.py's projections, and this checkout has no "
-              "bench/cost_model.py", file=sys.stderr)
-        return 1
     out = Outputs(args.csv, args.md)
     for shape in args.shapes:
         row = _base_row(shape, profile, how, args)
