@@ -52,6 +52,7 @@ import torch
 
 from bench import harness
 from bench.cost_model import PROFILES
+from grpo_fast.kernels.plan import nbytes
 
 BENCHMARK = "head_fwd_bwd"
 DTYPE = "bf16"
@@ -134,10 +135,6 @@ def time_cuda(fn, *, warmup: int, reps: int, setup=None) -> list[float]:
     return times
 
 
-def _nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 def measure_fused(x: dict, *, entropy: bool, warmup: int, reps: int, seed: int) -> dict:
     """(a): times, extra memory and the correctness check of ``fused_logprobs`` forward + backward."""
     from grpo_fast import fused_logprobs
@@ -171,7 +168,7 @@ def measure_fused(x: dict, *, entropy: bool, warmup: int, reps: int, seed: int) 
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     outs = out if entropy else (out,)
-    extra = peak - base - _nbytes(*outs, hidden.grad, weight.grad)
+    extra = peak - base - sum(map(nbytes, (*outs, hidden.grad, weight.grad)))
 
     rows = min(CHECK_ROWS, y.numel())
     h_chk, y_chk = hidden.detach().reshape(-1, hidden.shape[-1])[:rows], y.reshape(-1)[:rows]

@@ -105,6 +105,27 @@ def device_family(device: torch.device) -> str | None:
     return family_of(*device_target(device_index(device))[:2])
 
 
+@functools.lru_cache(maxsize=None)
+def fp32_accumulating_gemm(index: int) -> bool:
+    """Whether torch runs, on CUDA device ``index``, a 16-bit GEMM that accumulates into an fp32 matrix in place
+    (``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)``, torch >= 2.8): the Triton log-prob path's d-hidden
+    GEMM. Probed once per device with a 2 x 2 call (an unsupported combination raises)."""
+    if "dtype_out" not in torch.ops.aten.addmm.overloads():
+        return False
+    try:
+        acc = torch.zeros(2, 2, device=torch.device("cuda", index))
+        ones = torch.ones(2, 2, dtype=torch.bfloat16, device=acc.device)
+        torch.addmm(acc, ones, ones, out_dtype=torch.float32, out=acc)
+        return bool((acc == 2).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
+def _no_fp32_gemm_reason() -> str:
+    return (f"torch {torch.__version__} has no 16-bit GEMM accumulating into fp32 in place "
+            "(torch.addmm(..., out_dtype=torch.float32), torch >= 2.8), which the Triton log-prob path needs")
+
+
 def auto_impl(device: torch.device, op: str, dtype: torch.dtype | None) -> tuple[str, str]:
     """What ``auto`` picks for ``op`` on ``device`` for inputs of ``dtype``, and why (one short phrase)."""
     if device.type != "cuda":
@@ -116,6 +137,9 @@ def auto_impl(device: torch.device, op: str, dtype: torch.dtype | None) -> tuple
     if device_family(device) is None:
         backend, arch, name = device_target(device_index(device))
         return "torch", f"{name} ({backend} {arch}) is not a target the kernels are compiled and gated for"
+    if op in MATMUL_OPS and dtype in (torch.bfloat16, torch.float16) and not fp32_accumulating_gemm(
+            device_index(device)):
+        return "torch", _no_fp32_gemm_reason()
     return "triton", "CUDA tensors"
 
 
@@ -129,6 +153,10 @@ def resolve_impl(impl: str, device: torch.device, op: str, dtype: torch.dtype | 
     if impl == "triton" and dtype == torch.float64 and op in MATMUL_OPS:
         raise ValueError(f"{op}: impl='triton' computes in float32 and takes float32, bfloat16 or float16 inputs, "
                          "got float64; use impl='torch' (or 'auto') for float64")
+    if (impl == "triton" and device.type == "cuda" and op in MATMUL_OPS and dtype in (torch.bfloat16, torch.float16)
+            and not fp32_accumulating_gemm(device_index(device))):
+        raise RuntimeError(f"{op}: impl='triton' cannot run here: {_no_fp32_gemm_reason()}; upgrade torch or use "
+                           "impl='torch'")
     if impl == "triton":
         if not triton_available():
             raise RuntimeError(f"{op}: impl='triton' requested but the Triton kernels are not available in this build")

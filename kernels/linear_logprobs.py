@@ -5,11 +5,10 @@ and nothing of size ``N x V`` exists at any time.
 Forward (``linear_logprob_forward``). For each vocabulary chunk ``[c0, c0 + C)``: one GEMM writes the chunk's raw
 logits ``h @ W[c0:c0+C]^T`` (``[N, C]``, input dtype, into one reused buffer), then ``_chunk_stats`` shapes them
 (bias, softcap, 1 / temperature) and folds them into per-row running statistics: the max ``m``, ``s = sum exp(z - m)``
-and ``t = sum exp(z - m)(z - m)`` (fp32 over a program's columns of one chunk, float64 across chunks: they carry over
-every chunk) and the target logit. When there are fewer row blocks than twice the GPU's SMs, each chunk's columns are
-split over ``S`` programs per row block, each keeping its own statistics; ``_stats_finalize`` merges the ``S``
-partial statistics in a fixed order (deterministic) into ``logp = (z_y - m) - log s``, ``entropy = log s - t / s``,
-``m`` and ``log s``. Launches: ``2 V / C + 1``.
+and ``t = sum exp(z - m)(z - m)`` (float64: they carry over every chunk) and the target logit. When there are fewer
+row blocks than twice the GPU's SMs, each chunk's columns are split over ``S`` programs per row block, each keeping
+its own statistics; ``_stats_finalize`` merges the ``S`` partial statistics in a fixed order (deterministic) into
+``logp = (z_y - m) - log s``, ``entropy = log s - t / s``, ``m`` and ``log s``. Launches: ``2 V / C + 1``.
 
 Backward (``linear_logprob_backward``). Vocabulary chunks outer, over the active rows only (rows whose upstream
 gradients are not both exactly zero; gathered once): per chunk one GEMM recomputes the raw logits of all active rows,
@@ -96,15 +95,21 @@ def _chunk_stats(
     pid_s = tl.program_id(1).to(tl.int64)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn < N
-    y = (tl.load(y_ptr + rn, mask=nmask, other=-1) - c0).to(tl.int32)  # the target's column in this chunk
-    # this program's columns of this chunk, in fp32 (a few dozen column tiles); folded into the float64 statistics,
-    # which carry over every chunk, once at the end
-    m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
-    s = tl.zeros((BLOCK_N,), tl.float32)
-    t = tl.zeros((BLOCK_N,), tl.float32)
+    state = pid_s * N + rn
+    if first:
+        m = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+        s = tl.zeros((BLOCK_N,), tl.float64)
+        t = tl.zeros((BLOCK_N,), tl.float64)
+    else:
+        m = tl.load(m_ptr + state, mask=nmask, other=float("-inf"))
+        s = tl.load(s_ptr + state, mask=nmask, other=0.0)
+        t = tl.zeros((BLOCK_N,), tl.float64)
+        if RETURN_ENTROPY:
+            t = tl.load(t_ptr + state, mask=nmask, other=0.0)
+    y = tl.load(y_ptr + rn, mask=nmask, other=-1) - c0
     zy = tl.zeros((BLOCK_N,), tl.float32)
     found = tl.zeros((BLOCK_N,), tl.int32)
-    lo = (pid_s * split).to(tl.int32)
+    lo = pid_s * split
     hi = tl.minimum(lo + split, C)
     for j0 in range(lo, hi, BLOCK_C):
         rc = j0 + tl.arange(0, BLOCK_C)
@@ -118,33 +123,17 @@ def _chunk_stats(
         found += tl.sum(hit.to(tl.int32), 1)
         m_new = tl.maximum(m, tl.max(z, 1))
         delta = tl.where(s > 0, m - m_new, 0.0)  # m = -inf before the first column, where s = t = 0
-        alpha = tl.exp(delta)
+        alpha = tl.exp(delta).to(tl.float64)
         zm = z - m_new[:, None]
         e = tl.exp(zm)
-        if RETURN_ENTROPY:  # every term e (z - m) <= 0: no cancellation in fp32
-            t = alpha * (t + delta * s) + tl.sum(tl.where(cmask[None, :], e * zm, 0.0), 1)
-        s = alpha * s + tl.sum(e, 1)
-        m = m_new
-    state = pid_s * N + rn
-    s64 = s.to(tl.float64)
-    t64 = t.to(tl.float64)
-    if not first:  # fold into the split's running statistics (an empty side has s = 0 and weighs nothing)
-        m_run = tl.load(m_ptr + state, mask=nmask, other=float("-inf"))
-        s_run = tl.load(s_ptr + state, mask=nmask, other=0.0)
-        m_new = tl.maximum(m_run, m)
-        d_run = tl.where(s_run > 0, m_run - m_new, 0.0)
-        d_loc = tl.where(s > 0, m - m_new, 0.0)
-        a_run = tl.where(s_run > 0, tl.exp(d_run), 0.0).to(tl.float64)
-        a_loc = tl.where(s > 0, tl.exp(d_loc), 0.0).to(tl.float64)
         if RETURN_ENTROPY:
-            t_run = tl.load(t_ptr + state, mask=nmask, other=0.0)
-            t64 = a_run * (t_run + d_run.to(tl.float64) * s_run) + a_loc * (t64 + d_loc.to(tl.float64) * s64)
-        s64 = a_run * s_run + a_loc * s64
+            t = alpha * (t + delta.to(tl.float64) * s) + tl.sum(tl.where(cmask[None, :], e * zm, 0.0), 1).to(tl.float64)
+        s = alpha * s + tl.sum(e, 1).to(tl.float64)
         m = m_new
     tl.store(m_ptr + state, m, mask=nmask)
-    tl.store(s_ptr + state, s64, mask=nmask)
+    tl.store(s_ptr + state, s, mask=nmask)
     if RETURN_ENTROPY:
-        tl.store(t_ptr + state, t64, mask=nmask)
+        tl.store(t_ptr + state, t, mask=nmask)
     tl.store(zy_ptr + rn, zy, mask=nmask & (found > 0))
 
 
@@ -571,7 +560,7 @@ def _finish_hidden(plan, gh, acc_parts, rows, budget):
     then, for gathered rows, moved to their rows (descending pieces: row j goes to rows[j] >= j, above every row not
     yet moved) and the other rows zeroed."""
     n, h = gh.shape
-    piece = max(1, budget // (h * 4))
+    piece = max(1, max(budget - plan.live_bytes, 0) // (h * 4))
     for r0, part, in_gh in acc_parts:
         if not in_gh:  # elsewhere: one cast
             dst = gh[r0:r0 + part.shape[0]]
@@ -591,7 +580,8 @@ def _finish_hidden(plan, gh, acc_parts, rows, budget):
         p0 = max(0, p1 - piece)
         tmp = plan.scratch((p1 - p0, h), gh.dtype, gh.device)
         plan.torch_op("move d hidden", lambda: tmp.copy_(gh[p0:p1]), reads=(gh[p0:p1],), writes=(tmp,))
-        plan.torch_op("move d hidden", lambda: gh.index_copy_(0, rows[p0:p1], tmp), reads=(tmp,), writes=(tmp,))
+        plan.torch_op("move d hidden", lambda: gh.index_copy_(0, rows[p0:p1], tmp), reads=(tmp,),
+                      writes=(gh[p0:p1],))  # as many bytes as the rows it writes
         plan.release(tmp)
     inactive = torch.ones(n, dtype=torch.bool, device=gh.device)
     plan.torch_op("inactive rows", lambda: inactive.index_fill_(0, rows, False), reads=(rows,), writes=(inactive,))

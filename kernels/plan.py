@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 from torch import Tensor
 
+from grpo_fast.dispatch import device_index, fp32_accumulating_gemm
 from grpo_fast.kernels.launch import launch
 
 
@@ -44,8 +45,11 @@ def nbytes(t: Tensor | None) -> int:
 
 def out_dtype_gemm_supported(device: torch.device) -> bool:
     """Whether ``torch.addmm(..., out_dtype=torch.float32)`` (a bf16/fp16 GEMM that accumulates into an fp32 matrix,
-    cuBLAS's beta = 1) runs on ``device``: CUDA (and meta, which stands for it) with torch >= 2.8."""
-    return device.type in ("cuda", "meta") and "dtype_out" in torch.ops.aten.addmm.overloads()
+    cuBLAS's beta = 1) runs on ``device``: CUDA where ``dispatch.fp32_accumulating_gemm`` found it (torch >= 2.8),
+    and meta, which stands for a GPU in the cost model and the static gate."""
+    if device.type == "meta":
+        return "dtype_out" in torch.ops.aten.addmm.overloads()
+    return device.type == "cuda" and fp32_accumulating_gemm(device_index(device))
 
 
 class Plan:
@@ -78,8 +82,8 @@ class Plan:
     def gemm(self, name: str, a: Tensor, b: Tensor, out: Tensor, *, accumulate: bool = False) -> None:
         """``out = a @ b`` (``out += a @ b`` with ``accumulate``) as one cuBLAS call writing into ``out``. A 16-bit
         product accumulated into a float32 ``out`` uses ``out_dtype`` (fp32 accumulation inside the GEMM, no
-        rounded product, no second pass); where that is not supported (CPU, old torch) the operands are upcast,
-        which only the CPU (interpreter) tests take."""
+        rounded product, no second pass); on CPU (the interpreter tests) the operands are upcast instead, and on a
+        CUDA torch without it this raises (``dispatch`` sends such machines to the torch path first)."""
         m, k = a.shape
         n = b.shape[1]
         if out.dtype == a.dtype:
@@ -92,7 +96,10 @@ class Plan:
                 torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
             else:
                 torch.mm(a, b, out_dtype=out.dtype, out=out)
-        elif accumulate:
+        elif out.device.type == "cuda":  # dispatch keeps this case off the Triton path: never a silent fp32 copy
+            raise RuntimeError("grpo_fast.kernels: this torch has no 16-bit GEMM accumulating into fp32 "
+                               "(torch.addmm out_dtype, torch >= 2.8); use impl='torch'")
+        elif accumulate:  # CPU (the interpreter tests): upcast copies
             out.addmm_(a.to(out.dtype), b.to(out.dtype))
         else:
             torch.mm(a.to(out.dtype), b.to(out.dtype), out=out)

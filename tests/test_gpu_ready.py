@@ -25,6 +25,7 @@ def an_h100(monkeypatch):
     import grpo_fast.dispatch as dispatch
 
     monkeypatch.setattr(dispatch, "device_target", lambda index: ("cuda", 90, "NVIDIA H100"))
+    monkeypatch.setattr(dispatch, "fp32_accumulating_gemm", lambda index: True)  # a torch >= 2.8 there
 
 
 @pytest.fixture
@@ -46,6 +47,43 @@ def test_auto_keeps_fp32_matmul_ops_on_the_kernels_whose_gemms_follow_tf32(monke
     assert "float64" in auto_impl(CUDA, op, torch.float64)[1]
     with pytest.raises(ValueError, match="float64"):
         resolve_impl("triton", CUDA, op, torch.float64)
+
+
+def test_a_torch_without_fp32_accumulating_gemms_keeps_16bit_matmul_ops_off_the_kernels(monkeypatch):
+    """The Triton log-prob path accumulates d hidden with torch.addmm(..., out_dtype=torch.float32) (torch >= 2.8):
+    where the probe finds it missing, auto says why and runs the torch path, and an explicit impl='triton' refuses
+    (no silent fallback that would copy operands to fp32)."""
+    import grpo_fast.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "fp32_accumulating_gemm", lambda index: False)
+    for op in ("fused_logprobs", "grpo_loss"):
+        impl, why = auto_impl(CUDA, op, torch.bfloat16)
+        assert impl == "torch" and "out_dtype" in why
+        with pytest.raises(RuntimeError, match="impl='torch'"):
+            resolve_impl("triton", CUDA, op, torch.bfloat16)
+        assert resolve_impl("auto", CUDA, op, torch.float32) == "triton"  # fp32 GEMMs need no out_dtype
+    assert resolve_impl("auto", CUDA, "grpo_loss_from_logps", torch.bfloat16) == "triton"  # no matmul
+
+
+@pytest.mark.gpu
+def test_fp32_accumulating_gemm_into_an_aliased_accumulator_on_gpu():
+    """The d-hidden GEMM as the Plan issues it: bf16 operands accumulated into an fp32 matrix that is also the
+    output (and a view into another tensor's bytes, as the split accumulator is), against float64."""
+    from grpo_fast.dispatch import fp32_accumulating_gemm
+    from grpo_fast.kernels.plan import Plan
+
+    assert fp32_accumulating_gemm(torch.cuda.current_device())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(96, 320, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(320, 48, device="cuda", generator=gen).bfloat16()
+    host = torch.zeros(2 * 96 * 48 + 8, dtype=torch.bfloat16, device="cuda")
+    acc = host[8:].view(torch.float32).view(96, 48)  # fp32 rows inside bf16 storage, 16-byte aligned
+    acc.fill_(0.5)
+    plan = Plan()
+    plan.gemm("d hidden", a, b, acc, accumulate=True)
+    plan.gemm("d hidden", a, b, acc, accumulate=True)
+    want = 0.5 + 2 * (a.double() @ b.double())
+    assert (acc.double() - want).abs().max() < 1e-3 * want.abs().max()
 
 
 def test_auto_keeps_elementwise_ops_on_triton_in_fp32(strict_fp32):

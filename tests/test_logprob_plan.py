@@ -138,12 +138,14 @@ def test_backward_layout_invariants(seed):
     lay = ll.backward_layout(n, a, h, v, elem, budget, gathered=gathered, need_hidden=need_h, need_weight=need_w)
     cols = sorted((c0, c1) for c0, c1, _ in lay.chunks)
     assert cols[0][0] == 0 and cols[-1][1] == v and all(x[1] == y[0] for x, y in zip(cols, cols[1:]))
-    written = v
+    written = v  # grad_weight rows [written, V) hold finished d weight (the tail: the accumulator)
     for c0, c1, in_weight in lay.chunks:
-        if c1 <= v - lay.tail:
-            written = min(written, c0)
+        assert c1 <= written or c0 >= v - lay.tail, (c0, c1, lay)  # from the end down, the tail first
         if in_weight:
-            assert need_w and -(-a * (c1 - c0) // h) <= min(c0, v - lay.tail), (c0, c1, lay)
+            buffer_rows = -(-a * (c1 - c0) // h)
+            assert need_w and buffer_rows <= min(c0, v - lay.tail, written), (c0, c1, lay)
+        if c1 <= v - lay.tail:
+            written = c0
     if lay.acc == "split":
         assert need_h and 0 <= lay.tail < v and (need_w or lay.tail == 0)
         assert lay.acc_offset >= (a * h * elem if gathered else 0)
