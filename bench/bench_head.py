@@ -177,10 +177,29 @@ def measure_fused(x: dict, *, entropy: bool, warmup: int, reps: int, seed: int) 
         ref = logprobs_reference(h_chk.double(), weight.detach().double(), y_chk)
         pt = logprobs_reference(h_chk, weight.detach(), y_chk)
     err, _, bound = rule_error(logps, pt, ref, hidden.dtype)
+    # d hidden of a row depends on that row alone: the checked rows' gradients against the reference's, and every
+    # d weight entry finite (it sums over all rows: no per-row reference)
+    gh = hidden.grad.reshape(-1, hidden.shape[-1])[:rows]
+
+    def ref_grad(dtype):
+        h_ = h_chk.to(dtype).clone().requires_grad_(True)
+        res = logprobs_reference(h_, weight.detach().to(dtype), y_chk, return_entropy=entropy)
+        lp, ent = res if entropy else (res, None)
+        loss = (lp * g.reshape(-1)[:rows].to(lp.dtype)).sum()
+        if entropy:
+            loss = loss + (ent * ge.reshape(-1)[:rows].to(ent.dtype)).sum()
+        loss.backward()
+        return h_.grad
+
+    gerr, _, gbound = rule_error(gh, ref_grad(hidden.dtype), ref_grad(torch.float64), hidden.dtype)
+    w_finite = bool(torch.isfinite(weight.grad).all())
     clear_grads()
+    fails = [f"logps error {err:.3e} > bound {bound:.3e}"] if err > bound else []
+    fails += [f"d hidden error {gerr:.3e} > bound {gbound:.3e}"] if gerr > gbound else []
+    fails += [] if w_finite else ["d weight not finite"]
     return {"median_ms": statistics.median(times), "min_ms": min(times), "times_ms": times, "extra_bytes": extra,
-            "check": "ok" if err <= bound else f"FAIL: logps error {err:.3e} > bound {bound:.3e}",
-            "check_err": err, "check_bound": bound}
+            "check": "ok" if not fails else "FAIL: " + "; ".join(fails),
+            "check_err": err, "check_bound": bound, "check_grad_err": gerr, "check_grad_bound": gbound}
 
 
 def gemm_chunk(n: int, h: int, v: int, elem: int, free_bytes: int) -> int:

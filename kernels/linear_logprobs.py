@@ -19,15 +19,15 @@ in the input dtype, then ``dW[c0:c0+C] = dz^T @ h`` is one GEMM with K = the act
 column sum. Launches: ``4 V / C`` plus a handful. FLOPs: ``8 N H V`` with the forward. Without a weight gradient (a
 frozen lm_head) the rows go in stripes instead, each over the whole vocabulary (``_rows_outer``).
 
-Memory. Temporaries stay within ``scratch_bytes()`` (64 MiB unless ``GRPO_FAST_SCRATCH_MIB`` says otherwise). The
-forward's logits buffer takes the budget. When the weight's gradient is wanted, the backward walks the vocabulary from
-the end and keeps its ``dz`` buffer in the rows of ``grad_weight`` that no chunk has written yet (chunks wider than
-the budget allows, fewer launches, no memory); the first rows of the vocabulary go through a budget-sized buffer. The
-gathered active rows live in ``grad_hidden``'s storage until the end. The fp32 ``dh`` accumulator (``4 rows H``
-bytes: DESIGN.md §5 accumulates ``dh`` in fp32, and a vocabulary-outer sweep holds it for every row) is a temporary
-when it is at most half the budget; else it lives in the gradients' own storage, in grad_hidden's free bytes and, for
-the rest, in the last rows of grad_weight, whose ``dW`` is recomputed once the accumulator is cast (``BackwardLayout``,
-``backward_layout``: 0.22 NHV more FLOPs at N = 16384, V = 151936).
+Memory. Temporaries stay within ``scratch_bytes()`` (64 MiB unless ``GRPO_FAST_SCRATCH_MIB`` says otherwise; the one
+exception below). The forward's logits buffer takes the budget. With a weight gradient the backward walks the
+vocabulary from the end and keeps its ``dz`` buffer in grad_weight's rows not yet written (wider chunks, no memory);
+the first rows go through a budget-sized buffer. The gathered active rows live in grad_hidden's storage until the
+end. The fp32 ``dh`` accumulator (``4 rows H`` bytes: DESIGN.md §5 accumulates ``dh`` in fp32, and a vocabulary-outer
+sweep holds it for every row) is a temporary when it is at most half the budget; else it lives in the gradients' own
+storage, in grad_hidden's free bytes and then in the last rows of grad_weight, whose ``dW`` is recomputed once the
+accumulator is cast (``backward_layout``: 0.22 NHV more FLOPs at N = 16384, V = 151936). The exception: when those
+rows are too few (16-bit inputs, more active rows than vocabulary rows) the accumulator is a temporary over budget.
 
 The plan. Every GEMM, kernel and torch op goes through a ``plan.Plan``, which records it; ``bench/cost_model.py``
 prices the plan these same functions produce on meta tensors for a named GPU.

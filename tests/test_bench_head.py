@@ -317,6 +317,7 @@ def test_the_measurement_runs_the_fused_head_and_checks_it(cuda_counters, entrop
     res = bench_head.measure_shape((n, h, v), entropy=entropy, warmup=0, reps=1, seed=0, device="cpu")
     fused, gemm = res["fused"], res["gemm"]
     assert fused["check"] == "ok" and fused["check_err"] <= fused["check_bound"]
+    assert fused["check_grad_err"] <= fused["check_grad_bound"]  # d hidden of the checked rows
     outputs = n * 4 * (2 if entropy else 1)
     assert fused["extra_bytes"] == 5 * 2**30 - outputs - 2 * (n * h + v * h)
     assert fused["median_ms"] == 1.0 and gemm["median_ms"] == 1.0

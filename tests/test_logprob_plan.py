@@ -86,6 +86,26 @@ def test_every_layout_against_the_reference(monkeypatch, dtype, inactive, need):
         assert (out[2][dead] == 0).all()  # gathered away: exactly zero, not stale rows
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("inactive", [False, True], ids=["all-rows", "gathered"])
+def test_every_layout_on_the_gpu(monkeypatch, dtype, inactive):
+    """The same on CUDA, where the accumulation runs as cuBLAS's fp32-output GEMM into views of the gradients' own
+    bytes (the CPU runs upcast copies instead): what bench/gpu_check.sh runs of the backward's layouts."""
+    test_every_layout_against_the_reference(monkeypatch, dtype, inactive, ("hidden", "weight", "bias"))
+
+
+def test_where_grad_weight_cannot_hold_the_rest_the_accumulator_is_a_temporary():
+    """More tokens than vocabulary rows (bf16, every row active): grad_hidden's bytes hold half the fp32
+    accumulator and grad_weight's tail cannot hold the other half, so it is a temporary over the budget (the
+    documented exception to the 64 MiB bound); the results stay exact."""
+    lay = ll.backward_layout(16384, 16384, 4096, 8192, 2, 64 * 2**20, gathered=False, need_hidden=True,
+                             need_weight=True)
+    assert lay.acc == "scratch" and lay.tail == 0
+    assert ll.backward_layout(16384, 16384, 4096, 32768, 2, 64 * 2**20, gathered=False, need_hidden=True,
+                              need_weight=True).acc == "split"
+
+
 @needs_kernels
 def test_results_do_not_depend_on_the_budget_and_repeat_bit_for_bit(monkeypatch):
     """The same inputs at a roomy and a tight budget agree to the rule (different chunking, split accumulator); two
