@@ -496,25 +496,48 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
 def _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, budget, *, gathered):
     """d hidden (and d bias) without d weight: stripes of the active rows, each walking the whole vocabulary with
     its own fp32 accumulator, cast into grad_hidden's rows of the stripe when it is done (gathered rows: their
-    compact positions, which held the stripe's own hidden rows). A stripe holds every row when its accumulator fits
-    next to a 128-column buffer; else half the budget's worth of rows. Launches: 3 per (stripe, chunk)."""
+    compact positions, which held the stripe's own hidden rows). The accumulator is a temporary when the remaining
+    rows' fits half the budget; before that it lives in grad_hidden's bytes that no finished stripe (nor a gathered
+    row) holds, so stripes halve (N/2, N/4, ... rows) and the ``[rows, C]`` buffer gets the whole budget. Launches:
+    3 per (stripe, chunk), about ``3 N V elem / budget`` in all."""
     a, h = h_a.shape
-    v = weight.shape[0]
+    n, v = gh.shape[0], weight.shape[0]
     dtype, dev, elem = h_a.dtype, h_a.device, h_a.element_size()
-    in_place = dtype == torch.float32 and not gathered  # accumulate into gh itself
-    stripe = a if in_place or 4 * a * h + a * _CHUNK_ALIGN * elem <= budget else max(1, budget // 2 // (4 * h))
-    acc_bytes = 0 if in_place else 4 * stripe * h
-    c_max = budget_chunk(stripe, elem, v, max(budget - acc_bytes, 0))
-    buf = plan.scratch((stripe, c_max), dtype, dev)
-    acc_all = None if in_place else plan.scratch((stripe, h), torch.float32, dev)
-    for r0 in range(0, a, stripe):
-        r1 = min(a, r0 + stripe)
-        acc = gh[r0:r1] if in_place else acc_all[: r1 - r0]
+    small = a if 4 * a * h <= budget // 2 else max(1, budget // 2 // (4 * h))  # rows a temporary accumulator holds
+    stripes = []  # (r0, r1, home, byte offset in gh): home "gradient" (fp32, not gathered), "gh" or "scratch"
+    r0 = 0
+    while r0 < a:
+        if dtype == torch.float32 and not gathered:
+            stripes.append((0, a, "gradient", 0))
+            break
+        if 4 * (a - r0) * h <= budget // 2:
+            stripes.append((r0, a, "scratch", 0))
+            break
+        offset = -(-(a if gathered else r0) * h * elem // 16) * 16  # past the rows in use, 16-byte aligned
+        rows = min(a - r0, max(0, (n * h * elem - offset) // (4 * h)))
+        if 4 * rows * h <= budget // 2:  # no room worth a stripe: a temporary's worth of rows
+            rows = min(a - r0, small)
+            stripes.append((r0, r0 + rows, "scratch", 0))
+        else:
+            stripes.append((r0, r0 + rows, "gh", offset))
+        r0 += rows
+    # one temporary of the budget: the [rows, C] buffer, and at its end a stripe's accumulator when it is "scratch"
+    def acc_bytes(r, home):
+        return -(-4 * r * h // 16) * 16 if home == "scratch" else 0
+
+    chunks = {(r1 - r0, home): budget_chunk(r1 - r0, elem, v, max(budget - acc_bytes(r1 - r0, home), 0))
+              for r0, r1, home, _ in stripes}
+    space = max(r * c * elem + acc_bytes(r, home) for (r, home), c in chunks.items())
+    buf = plan.scratch((-(-space // 16) * 16 // elem,), dtype, dev)
+    for r0, r1, home, offset in stripes:
+        rows, c_max = r1 - r0, chunks[(r1 - r0, home)]
+        acc = {"gradient": lambda: gh, "gh": lambda: _as_fp32(gh, offset, rows, h),
+               "scratch": lambda: _as_fp32(buf, buf.numel() * elem - acc_bytes(rows, home), rows, h)}[home]()
         y, m, log_s, ent, g, ge = (None if x is None else x[r0:r1] for x in vectors)
         plan.torch_op("zero", acc.zero_, reads=(), writes=(acc,))
         for c0 in range(0, v, c_max):
             c1 = min(v, c0 + c_max)
-            z = buf.view(-1)[: (r1 - r0) * (c1 - c0)].view(r1 - r0, c1 - c0)
+            z = buf[: rows * (c1 - c0)].view(rows, c1 - c0)
             _dlogits(plan, z, h_a[r0:r1], weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap)
             if gb is not None:
                 db = gb[c0:c1]
@@ -525,10 +548,9 @@ def _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, 
                     plan.torch_op("d bias", lambda: db.add_(torch.sum(z, 0, dtype=torch.float32)), reads=(z, db),
                                   writes=(db,))
             plan.gemm("d hidden", z, weight[c0:c1], acc, accumulate=True)
-        if not in_place:
-            dst = gh[r0:r1]
-            plan.torch_op("cast d hidden", lambda: dst.copy_(acc), reads=(acc,), writes=(dst,))
-    plan.release(buf, acc_all)
+        if home != "gradient":  # in place (ascending pieces) where the accumulator overlaps the stripe's rows
+            _cast_rows(plan, gh, r0, acc, home == "gh" and not gathered, budget, space=buf)
+    plan.release(buf)
 
 
 def _dlogits(plan, z, h_rows, weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap):
@@ -554,6 +576,27 @@ def _as_fp32(t: torch.Tensor, byte_offset: int, rows: int, h: int) -> torch.Tens
     return t.view(-1)[start: start + rows * h * ratio].view(torch.float32).view(rows, h)
 
 
+def _cast_rows(plan, gh, r0, acc, in_gh, budget, space=None):
+    """``gh[r0:r0 + rows] = acc`` (fp32 ``[rows, H]``). ``in_gh``: ``acc`` lives in ``gh``'s own bytes at or above the
+    destination's; then in ascending pieces through a temporary (``space``, a free 1-D buffer of gh's dtype, or the
+    budget left), each written below every byte still unread."""
+    if not in_gh:
+        dst = gh[r0:r0 + acc.shape[0]]
+        plan.torch_op("cast d hidden", lambda: dst.copy_(acc), reads=(acc,), writes=(dst,))
+        return
+    h = gh.shape[1]
+    piece = max(1, (space.numel() // h) if space is not None else max(budget - plan.live_bytes, 0) // (h * 4))
+    for p0 in range(0, acc.shape[0], piece):
+        src = acc[p0:p0 + piece]
+        rows = src.shape[0]
+        tmp = space[: rows * h].view(rows, h) if space is not None else plan.scratch(src.shape, gh.dtype, gh.device)
+        plan.torch_op("cast d hidden", lambda: tmp.copy_(src), reads=(src,), writes=(tmp,))
+        dst = gh[r0 + p0:r0 + p0 + rows]
+        plan.torch_op("cast d hidden", lambda: dst.copy_(tmp), reads=(tmp,), writes=(dst,))
+        if space is None:
+            plan.release(tmp)
+
+
 def _finish_hidden(plan, gh, acc_parts, rows, budget):
     """grad_hidden from the fp32 accumulator pieces: cast into its first A rows (in place where the accumulator lives
     in grad_hidden's own bytes: ascending pieces through a temporary, each written below every byte still unread),
@@ -562,17 +605,7 @@ def _finish_hidden(plan, gh, acc_parts, rows, budget):
     n, h = gh.shape
     piece = max(1, max(budget - plan.live_bytes, 0) // (h * 4))
     for r0, part, in_gh in acc_parts:
-        if not in_gh:  # elsewhere: one cast
-            dst = gh[r0:r0 + part.shape[0]]
-            plan.torch_op("cast d hidden", lambda: dst.copy_(part), reads=(part,), writes=(dst,))
-            continue
-        for p0 in range(0, part.shape[0], piece):
-            src = part[p0:p0 + piece]
-            tmp = plan.scratch(src.shape, gh.dtype, gh.device)
-            plan.torch_op("cast d hidden", lambda: tmp.copy_(src), reads=(src,), writes=(tmp,))
-            dst = gh[r0 + p0:r0 + p0 + src.shape[0]]
-            plan.torch_op("cast d hidden", lambda: dst.copy_(tmp), reads=(tmp,), writes=(dst,))
-            plan.release(tmp)
+        _cast_rows(plan, gh, r0, part, in_gh, budget)
     if rows is None:
         return
     a = rows.shape[0]

@@ -215,3 +215,35 @@ def test_frozen_lm_head_backward_stays_within_the_budget(dtype):
                                    False, False, plan=bwd, budget=ll.DEFAULT_SCRATCH_MIB * 2**20)
     assert bwd.peak_bytes <= ll.DEFAULT_SCRATCH_MIB * 2**20
     assert bwd.flops == 4 * n * h * v
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("inactive", [False, True], ids=["all-rows", "gathered"])
+def test_frozen_head_stripes_against_the_reference(monkeypatch, dtype, inactive):
+    """d hidden alone at a 4 KiB budget: halving stripes whose accumulators live in grad_hidden's free bytes, then
+    stripes with the accumulator at the end of the buffer; held to the reference rule."""
+    case = _case(5, inactive)
+    monkeypatch.setenv("GRPO_FAST_SCRATCH_MIB", str(4 / 1024))
+    need = ("hidden", "bias")
+    out = _run("triton", dtype, case, need)
+    pt, ref = _run("reference", dtype, case, need), _run("reference", torch.float64, case, need)
+    for name, a, b, c in zip(("logps", "entropy", "d hidden", "d weight", "d bias"), out, pt, ref):
+        assert_close_rule(a, b, c, dtype, name)
+
+
+def test_frozen_head_stripes_halve_in_grad_hidden():
+    """The plan of a d-hidden-only backward (bf16, every row active): stripes of N/2, N/4, ... rows while their
+    accumulators fit grad_hidden's free bytes, then budget-sized ones; the buffer takes the whole budget."""
+    n, h, v = 16384, 4096, 151936
+    meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
+    bwd = Plan()
+    with capture(Target("cuda", 90, 32), sms=132):
+        ll.linear_logprob_backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, meta(n, dt=torch.float32),
+                                   meta(n, dt=torch.float32), None, meta(n, dt=torch.float32), None, 1.0, None, True,
+                                   False, False, plan=bwd, budget=64 * 2**20)
+    stripes = [s.shape[0] // h for s in bwd.steps if s.name == "zero"]  # each stripe zeroes its accumulator
+    assert stripes == [8192, 4096, 2048, 2048] and sum(stripes) == n
+    widths = [s.shape[1] for s in bwd.steps if s.name == "logits (recomputed)"]
+    assert widths[0] == 64 * 2**20 // (8192 * 2)  # the 8192-row stripe's buffer is the whole budget
+    assert bwd.peak_bytes <= 64 * 2**20
