@@ -71,23 +71,24 @@ def logprobs_bwd(
     need_hidden: bool, need_weight: bool, need_bias: bool, impl: str, vocab_chunk: int | None = None,
     token_chunk: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients (d hidden, d weight, d bias; empty where not needed) by the shared chunked backward."""
+    """Gradients (d hidden, d weight, d bias; empty where not needed): the Triton launcher (cuBLAS GEMMs over
+    vocabulary chunks) or the chunked torch backward."""
+    entropy = None if _absent(entropy) else entropy
+    need_bias = need_bias and bias is not None
     if impl == "triton":
         from grpo_fast.kernels.linear_logprobs import active_rows, linear_logprob_backward
 
         g = None if _absent(g) else g.float().contiguous()
         ge = None if _absent(ge) else ge.float().contiguous()
-        gh, gw, gb = linear_logprob_backward(
-            hidden, weight, target_ids, bias, m, log_s, None if _absent(entropy) else entropy, g, ge, temperature,
-            softcap, need_hidden, need_weight, need_bias and bias is not None, rows=active_rows(g, ge))
-        empty = lambda: hidden.new_empty(_EMPTY)  # noqa: E731 (outputs must not alias each other)
-        return (empty() if gh is None else gh), (empty() if gw is None else gw), (empty() if gb is None else gb)
-    params = LogprobParams(temperature, softcap, not _absent(entropy), vocab_chunk, token_chunk)
-    ctx = types.SimpleNamespace(
-        saved_tensors=(hidden, weight, target_ids, bias, m, log_s, None if _absent(entropy) else entropy),
-        params=params, needs_input_grad=(need_hidden, need_weight, False, need_bias and bias is not None, False),
-    )
-    gh, gw, _, gb, _ = _backward(ctx, None if _absent(g) else g, None if _absent(ge) else ge)
+        gh, gw, gb = linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy, g, ge, temperature,
+                                             softcap, need_hidden, need_weight, need_bias, rows=active_rows(g, ge))
+    else:
+        ctx = types.SimpleNamespace(
+            saved_tensors=(hidden, weight, target_ids, bias, m, log_s, entropy),
+            params=LogprobParams(temperature, softcap, entropy is not None, vocab_chunk, token_chunk),
+            needs_input_grad=(need_hidden, need_weight, False, need_bias, False),
+        )
+        gh, gw, _, gb, _ = _backward(ctx, None if _absent(g) else g, None if _absent(ge) else ge)
     empty = lambda: hidden.new_empty(_EMPTY)  # noqa: E731 (outputs must not alias each other)
     return (empty() if gh is None else gh), (empty() if gw is None else gw), (empty() if gb is None else gb)
 

@@ -267,6 +267,11 @@ def scratch_bytes() -> int:
     return int(mib * 2**20)
 
 
+def _align16(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of 16 (cuBLAS and vector loads want 16-byte aligned rows)."""
+    return -(-nbytes // 16) * 16
+
+
 def budget_chunk(rows: int, elem: int, v: int, budget: int) -> int:
     """The widest vocabulary chunk whose ``[rows, C]`` buffer of ``elem``-byte elements fits ``budget`` (a multiple
     of 128 columns, at least 128, at most V)."""
@@ -299,14 +304,15 @@ def backward_layout(n: int, rows: int, h: int, v: int, elem: int, budget: int, *
                     need_weight: bool) -> BackwardLayout:
     """The layout of a backward over ``rows`` active rows (of ``n``) of ``elem``-byte inputs within ``budget`` bytes
     of temporaries (see ``BackwardLayout``). The fp32 accumulator (``4 rows H`` bytes) goes to the temporaries when
-    it takes at most half the budget (the rest is the buffer's), else into the gradients' own storage: the bytes of grad_hidden that the gathered rows
-    do not occupy, and the tail of grad_weight, whose rows are recomputed at the end (``2 n H tail`` more FLOPs);
-    when it needs the tail and there is no grad_weight, it stays a temporary (over the budget)."""
+    it takes at most half the budget (the rest is the buffer's), else into the gradients' own storage: the bytes of
+    grad_hidden that the gathered rows do not occupy, and the tail of grad_weight, whose rows are recomputed at the
+    end (``2 n H tail`` more FLOPs); when it needs the tail and there is no grad_weight, it stays a temporary (over
+    the budget)."""
     acc, acc_lo, acc_offset, tail = "none", 0, 0, 0
     if need_hidden:
         acc = "gradient" if elem == 4 and not gathered else "scratch"
     if acc == "scratch" and 4 * rows * h > budget // 2:
-        acc_offset = -(-rows * h * elem // 16) * 16 if gathered else 0  # the gathered rows come first
+        acc_offset = _align16(rows * h * elem) if gathered else 0  # the gathered rows come first
         acc_lo = max(0, min(rows, (n * h * elem - acc_offset) // (4 * h)))
         tail = 0
         if acc_lo < rows:
@@ -424,23 +430,35 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
         rows, a = None, n  # no room for the gathered rows without grad_hidden's storage: every row, no gather
 
     # the active rows' [A] vectors, gathered once (temporaries), and their hidden rows (grad_hidden's first rows)
-    vectors = [target_ids, m, log_s, entropy if ge is not None else None, g, ge]
-    h_a = hidden
+    all_rows = [target_ids, m, log_s, entropy if ge is not None else None, g, ge]
+    vectors, h_a = all_rows, hidden
     if rows is not None:
-        vectors = [None if x is None else _gather(plan, x, rows) for x in vectors]
+        vectors = [None if x is None else _gather(plan, x, rows) for x in all_rows]
         h_a = gh[:a] if gh is not None else plan.scratch((a, h), dtype, dev)
         plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_a), reads=(hidden,),
                       writes=(h_a,))
-    y_a, m_a, logs_a, ent_a, g_a, ge_a = vectors
     if need_hidden and not need_weight:  # no d weight to complete per chunk: row stripes, each over the vocabulary
         logger.debug("grpo_fast log-prob backward (triton): %d of %d rows, d hidden only: row stripes", a, n)
         _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, max(budget - plan.live_bytes, 0),
                     gathered=rows is not None)
         if rows is not None:
             _finish_hidden(plan, gh, [], rows, budget)
-        for x in vectors if rows is not None else ():
-            plan.release(x)
-        return gh, gw, None if gb is None else gb.to(bias.dtype)
+    else:
+        _vocab_outer(plan, gh, gw, gb, hidden, h_a, weight, bias, vectors, all_rows, rows, temperature, softcap, budget)
+    for x in vectors if rows is not None else ():
+        plan.release(x)
+    return gh, gw, None if gb is None else gb.to(bias.dtype)
+
+
+def _vocab_outer(plan, gh, gw, gb, hidden, h_a, weight, bias, vectors, all_rows, rows, temperature, softcap, budget):
+    """The backward with a weight gradient: vocabulary chunks laid out by ``backward_layout``, each a recomputed
+    logits GEMM, ``dz`` in place, its d weight (one GEMM over the active rows ``h_a``) and its share of the fp32 d
+    hidden accumulator; then the accumulator cast into grad_hidden and the tail's d weight recomputed over every row.
+    ``vectors``: the active rows' (targets, m, log s, entropy, g, ge); ``all_rows``: the same for every row."""
+    n, h = hidden.shape
+    a, v = h_a.shape[0], weight.shape[0]
+    dev, dtype, elem = hidden.device, hidden.dtype, hidden.element_size()
+    need_hidden, need_weight, need_bias = gh is not None, gw is not None, gb is not None
     layout = backward_layout(n, a, h, v, elem, max(budget - plan.live_bytes, 0), gathered=rows is not None,
                              need_hidden=need_hidden, need_weight=need_weight)
     if logger.isEnabledFor(logging.DEBUG):
@@ -464,10 +482,9 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
     buf = plan.scratch((a, layout.budget_chunk), dtype, dev) if layout.budget_chunk else None
     for c0, c1, in_weight in layout.chunks:
         z = (gw if in_weight else buf).view(-1)[: a * (c1 - c0)].view(a, c1 - c0)
-        _dlogits(plan, z, h_a, weight, bias, y_a, m_a, logs_a, ent_a, g_a, ge_a, c0, c1, temperature, softcap)
+        _dlogits(plan, z, h_a, weight, bias, *vectors, c0, c1, temperature, softcap)
         if need_bias:
-            plan.torch_op("d bias", lambda: torch.sum(z, 0, dtype=torch.float32, out=gb[c0:c1]), reads=(z,),
-                          writes=(gb[c0:c1],))
+            _dbias(plan, gb[c0:c1], z, accumulate=False)
         for r0, part, _ in acc_parts:
             plan.gemm("d hidden", z[r0:r0 + part.shape[0]], weight[c0:c1], part, accumulate=True)
         if need_weight and c1 <= v - layout.tail:
@@ -484,13 +501,9 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
         buf = plan.scratch((n, layout.recompute_chunk), dtype, dev)
         for c0, c1 in layout.recompute:
             z = buf.view(-1)[: n * (c1 - c0)].view(n, c1 - c0)
-            _dlogits(plan, z, hidden, weight, bias, target_ids, m, log_s, entropy if ge is not None else None, g, ge,
-                     c0, c1, temperature, softcap)
+            _dlogits(plan, z, hidden, weight, bias, *all_rows, c0, c1, temperature, softcap)
             plan.gemm("d weight", z.t(), hidden, gw[c0:c1])
         plan.release(buf)
-    for x in vectors if rows is not None else ():
-        plan.release(x)
-    return gh, gw, None if gb is None else gb.to(bias.dtype)
 
 
 def _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, budget, *, gathered):
@@ -513,7 +526,7 @@ def _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, 
         if 4 * (a - r0) * h <= budget // 2:
             stripes.append((r0, a, "scratch", 0))
             break
-        offset = -(-(a if gathered else r0) * h * elem // 16) * 16  # past the rows in use, 16-byte aligned
+        offset = _align16((a if gathered else r0) * h * elem)  # past the rows in use
         rows = min(a - r0, max(0, (n * h * elem - offset) // (4 * h)))
         if 4 * rows * h <= budget // 2:  # no room worth a stripe: a temporary's worth of rows
             rows = min(a - r0, small)
@@ -523,12 +536,12 @@ def _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, 
         r0 += rows
     # one temporary of the budget: the [rows, C] buffer, and at its end a stripe's accumulator when it is "scratch"
     def acc_bytes(r, home):
-        return -(-4 * r * h // 16) * 16 if home == "scratch" else 0
+        return _align16(4 * r * h) if home == "scratch" else 0
 
     chunks = {(r1 - r0, home): budget_chunk(r1 - r0, elem, v, max(budget - acc_bytes(r1 - r0, home), 0))
               for r0, r1, home, _ in stripes}
     space = max(r * c * elem + acc_bytes(r, home) for (r, home), c in chunks.items())
-    buf = plan.scratch((-(-space // 16) * 16 // elem,), dtype, dev)
+    buf = plan.scratch((_align16(space) // elem,), dtype, dev)
     for r0, r1, home, offset in stripes:
         rows, c_max = r1 - r0, chunks[(r1 - r0, home)]
         acc = {"gradient": lambda: gh, "gh": lambda: _as_fp32(gh, offset, rows, h),
@@ -539,18 +552,20 @@ def _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, 
             c1 = min(v, c0 + c_max)
             z = buf[: rows * (c1 - c0)].view(rows, c1 - c0)
             _dlogits(plan, z, h_a[r0:r1], weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap)
-            if gb is not None:
-                db = gb[c0:c1]
-                if r0 == 0:
-                    plan.torch_op("d bias", lambda: torch.sum(z, 0, dtype=torch.float32, out=db), reads=(z,),
-                                  writes=(db,))
-                else:
-                    plan.torch_op("d bias", lambda: db.add_(torch.sum(z, 0, dtype=torch.float32)), reads=(z, db),
-                                  writes=(db,))
+            if gb is not None:  # later stripes add to the first one's column sums
+                _dbias(plan, gb[c0:c1], z, accumulate=r0 > 0)
             plan.gemm("d hidden", z, weight[c0:c1], acc, accumulate=True)
         if home != "gradient":  # in place (ascending pieces) where the accumulator overlaps the stripe's rows
             _cast_rows(plan, gh, r0, acc, home == "gh" and not gathered, budget, space=buf)
     plan.release(buf)
+
+
+def _dbias(plan, db, z, *, accumulate):
+    """``db (+)= z.sum(0)`` in fp32: the bias gradient of a chunk's ``dz``."""
+    if accumulate:
+        plan.torch_op("d bias", lambda: db.add_(torch.sum(z, 0, dtype=torch.float32)), reads=(z, db), writes=(db,))
+    else:
+        plan.torch_op("d bias", lambda: torch.sum(z, 0, dtype=torch.float32, out=db), reads=(z,), writes=(db,))
 
 
 def _dlogits(plan, z, h_rows, weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap):
