@@ -45,11 +45,11 @@ import torch
 
 from bench import harness
 from bench.models import MODELS, get_model
+from grpo_fast.doctor import DTYPES
 
 BENCHMARK = "grpo_loss_fwd_bwd"
 ALL_IMPLS = ("torch", "reference", "liger", "triton", "liger_triton", "matmul")
 NO_LOSS_IMPLS = ("matmul",)  # timing floors, not losses: left out of the correctness check
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # The loss every implementation computes (GRPOLossConfig fields; mapped onto Liger's arguments in _liger_step).
 LOSS = dict(loss_type="dapo", beta=0.04, epsilon=0.2, temperature=1.0)
 REF_ROWS_FP64 = 256  # row block of the float64 oracle: a [256, V] fp64 tile is 311 MB at V = 151936

@@ -70,9 +70,9 @@ import torch
 
 from bench import harness
 from bench.models import get_model
+from grpo_fast.doctor import DTYPES
 
 MODES = ("unshared", "shared")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PROPORTIONS = "qwen2.5-0.5b"  # the architecture the benchmark model is a scaled-down copy of
 HEAD_DIM, KV_HEADS = 64, 2
 

@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: python bench/cost_model.py
 import torch
 
 from bench import harness
+from grpo_fast.doctor import DTYPES
 from grpo_fast.kernels.launch import Target, capture
 from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB, linear_logprob_backward, linear_logprob_forward
 from grpo_fast.kernels.plan import Plan, Step
@@ -55,7 +56,6 @@ MIB = 2**20
 # The shapes issue 13 asks for: (N, H, V)
 ISSUE_SHAPES = ((16384, 4096, 151936), (65536, 8192, 128256))
 CSV_PATH = Path(__file__).resolve().parent / "results" / "cost_model.csv"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------------ device profiles
