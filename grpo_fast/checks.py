@@ -21,8 +21,10 @@ def _tracing() -> bool:
     return torch.compiler.is_compiling()
 
 
-def check_tensor(fn: str, name: str, x, *, shape=None, ndim=None, dtypes=None, device=None, optional=False):
-    """Type, shape (a tuple where None matches any size), ndim, dtype and device of one argument."""
+def check_tensor(fn: str, name: str, x, *, shape=None, ndim=None, dtypes=None, device=None, like="hidden",
+                 optional=False):
+    """Type, shape (a tuple where None matches any size), ndim, dtype and device (that of the argument ``like``)
+    of one argument."""
     if x is None:
         if optional:
             return
@@ -46,32 +48,57 @@ def check_tensor(fn: str, name: str, x, *, shape=None, ndim=None, dtypes=None, d
     if dtypes == "int" and (x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool):
         raise TypeError(f"{fn}: {name} must be an integer tensor of token ids, got {describe(x)}")
     if device is not None and x.device != device:
-        raise ValueError(f"{fn}: {name} must be on {device} like hidden, got {describe(x)}")
+        raise ValueError(f"{fn}: {name} must be on {device} like {like}, got {describe(x)}")
+
+
+# Log-probs are <= 0. Every producer of them we know (log_softmax in any dtype, TRL's selective_log_softmax,
+# fused_logprobs, vLLM) forms z_y - logsumexp(z) from one set of logits, which rounds to <= 0 exactly; the slack is
+# for one that takes the two from different float32 summations (a few ulps of |z|, ~1e-5 at |z| ~ 100). A log-prob
+# accepted at +1e-3 moves a ratio by 0.1%, far inside any clip range, while a probability passed by mistake is
+# refused at every token whose probability is above 0.1%.
+LOGPROB_SLACK = 1e-3
+
+
+def check_values(fn: str, name: str, x: torch.Tensor, where: torch.Tensor | None = None, *, low=-math.inf,
+                 high=math.inf, expected: str = "finite", where_name: str = "completion_mask"):
+    """``x`` finite and in ``[low, high]`` (only at positions where the bool ``where``, of x's shape, is True, when
+    given). One min/max pass and one host sync, with no NaN test of its own: min/max propagate NaN. ``expected``
+    describes the range in the message."""
+    if x is None or _tracing() or x.numel() == 0:
+        return
+    # this reads whole lm_head weights: no temporaries without a mask; padding gets a value inside the range
+    vals = x if where is None else x.masked_fill(~where, min(max(0.0, low), high))
+    lo, hi = torch.aminmax(vals)
+    if bool(torch.isfinite(lo) & torch.isfinite(hi) & (lo >= low) & (hi <= high)):
+        return
+    bad = ~(torch.isfinite(x) & (x >= low) & (x <= high))
+    if where is not None:
+        bad &= where
+    shown = ", ".join(f"{v:.4g}" for v in x[bad][:3].tolist())
+    at = "" if where is None else f" where {where_name} is 1"
+    what = "NaN/inf value(s)" if expected == "finite" else "value(s) outside that"
+    raise ValueError(f"{fn}: {name} must be {expected}{at}, got {int(bad.sum())} {what} ({shown}) in {describe(x)}")
 
 
 def check_finite(fn: str, name: str, x: torch.Tensor, where: torch.Tensor | None = None):
     """No NaN/inf in ``x`` (only at positions where ``where`` is True, when given)."""
-    if x is None or _tracing() or x.numel() == 0:
-        return
-    if where is None:
-        # one reduction pass and no temporaries (this reads whole lm_head weights); min/max propagate NaN
-        lo, hi = torch.aminmax(x)
-        if bool(torch.isfinite(lo) & torch.isfinite(hi)):
-            return
-        bad = ~torch.isfinite(x)
-    else:
-        bad = ~torch.isfinite(x) & where
-        if not bool(bad.any()):
-            return
-    raise ValueError(f"{fn}: {name} must be finite, got {int(bad.sum())} NaN/inf value(s) in {describe(x)}")
+    check_values(fn, name, x, where)
 
 
-def check_token_ids(fn: str, name: str, ids: torch.Tensor, vocab: int):
+def check_logprobs(fn: str, name: str, x: torch.Tensor, where: torch.Tensor | None):
+    """Log-probabilities: finite and <= ``LOGPROB_SLACK`` where ``where`` is True (NaN refused too). Probabilities,
+    or anything positive, would make every ratio and KL term wrong without an error."""
+    check_values(fn, name, x, where, high=LOGPROB_SLACK,
+                 expected=f"log-probabilities (finite and <= {LOGPROB_SLACK:g})")
+
+
+def check_token_ids(fn: str, name: str, ids: torch.Tensor, vocab: int, rows: str = "the rows of weight"):
+    """Ids in ``[0, vocab)``: one min/max pass and one host sync."""
     if _tracing() or ids.numel() == 0:
         return
-    lo, hi = int(ids.min()), int(ids.max())
+    lo, hi = torch.stack(list(torch.aminmax(ids))).tolist()
     if lo < 0 or hi >= vocab:
-        raise ValueError(f"{fn}: {name} must hold ids in [0, {vocab}) (the rows of weight), got values in [{lo}, {hi}]")
+        raise ValueError(f"{fn}: {name} must hold ids in [0, {vocab}) ({rows}), got values in [{lo}, {hi}]")
 
 
 def check_mask(fn: str, name: str, mask: torch.Tensor) -> torch.Tensor:
@@ -81,6 +108,21 @@ def check_mask(fn: str, name: str, mask: torch.Tensor) -> torch.Tensor:
     if not _tracing() and bool(((mask != 0) & (mask != 1)).any()):
         raise ValueError(f"{fn}: {name} must hold only 0 and 1, got other values in {describe(mask)}")
     return mask != 0
+
+
+def check_completion_length(fn: str, max_len: int | None, mask: torch.Tensor):
+    """dr_grpo divides by ``B * config.max_completion_length``: a token counted past the first ``max_len`` columns
+    of ``mask [B, T]`` is a completion longer than that. Columns past it that are all padding (TRL's
+    ``pad_to_multiple_of``) are fine; nothing is read when ``T <= max_len``."""
+    T = mask.shape[1]
+    if max_len is None or max_len >= T or _tracing():
+        return
+    if bool(mask[:, max_len:].any()):
+        raise ValueError(
+            f"{fn}: config.max_completion_length must be at least the longest completion, got {max_len} while "
+            f"completion_mask counts tokens past its first {max_len} columns (T={T}); dr_grpo divides the loss by "
+            "B * max_completion_length: set it to the generation limit (or None to use T)"
+        )
 
 
 def is_real(value) -> bool:

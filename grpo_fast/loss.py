@@ -39,9 +39,16 @@ def _validate_loss_inputs(fn, B, T, device, advantages, completion_mask, old_log
                     ("sampling_ratio", sampling_ratio)):
         checks.check_constant(fn, name, x)
     checks.check_finite(fn, "advantages", advantages)
-    checks.check_finite(fn, "old_logps", old_logps, where=mask)
-    checks.check_finite(fn, "ref_logps", ref_logps, where=mask)
-    checks.check_finite(fn, "sampling_ratio", sampling_ratio)
+    # only where the mask counts: padding may hold anything (TRL's -inf / 0 fills, uninitialised memory)
+    checks.check_logprobs(fn, "old_logps", old_logps, where=mask)
+    checks.check_logprobs(fn, "ref_logps", ref_logps, where=mask)
+    # p_old / p_sampler: any finite value >= 0 is a ratio of two probabilities (0: TRL's masked-out token); no upper
+    # bound, the cap is the user's (TRL's vllm_importance_sampling_clip_max, applied before the loss). Checked at
+    # padding too: vespo sums log(ratio) over every column, as TRL does (whose ratio is exp(0) = 1 there)
+    checks.check_values(fn, "sampling_ratio", sampling_ratio, low=0.0,
+                        expected="importance-sampling weights p_old / p_sampler (finite and >= 0)")
+    if config.loss_type == LossType.DR_GRPO:
+        checks.check_completion_length(fn, config.max_completion_length, mask)
     # after the other value checks: a CUDA tensor's check then finds the stream already drained
     num_items_in_batch = checks.check_count(fn, "num_items_in_batch", num_items_in_batch)
     return mask, num_items_in_batch
@@ -167,7 +174,7 @@ def grpo_loss_from_logps(
             f"{fn}: config.top_entropy_quantile={config.top_entropy_quantile} / entropy_coef={config.entropy_coef} "
             "need entropy (per-token entropies [B, T], e.g. from fused_logprobs(..., return_entropy=True)); got None"
         )
-    checks.check_finite(fn, "logps", logps, where=mask)
+    checks.check_logprobs(fn, "logps", logps, where=mask)
     checks.check_finite(fn, "entropy", entropy, where=mask)
     impl = resolve_impl(impl, logps.device, fn, logps.dtype)
     compute_dtype = torch.float64 if logps.dtype == torch.float64 else torch.float32

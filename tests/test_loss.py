@@ -25,8 +25,8 @@ def _logps_batch(B, T, dtype, seed, adv_per_token=False, sampling=None):
     gen = torch.Generator().manual_seed(seed)
     logps = -torch.rand(B, T, generator=gen, dtype=torch.float64) * 3
     entropy = torch.rand(B, T, generator=gen, dtype=torch.float64) * 2
-    old = logps + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
-    ref = logps + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)
+    old = (logps + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).clamp(max=0.0)  # log-probs: <= 0
+    ref = (logps + 0.3 * torch.randn(B, T, generator=gen, dtype=torch.float64)).clamp(max=0.0)
     adv = torch.randn((B, T) if adv_per_token else (B,), generator=gen, dtype=torch.float64)
     ratio = None
     if sampling is not None:
@@ -174,9 +174,13 @@ def test_extreme_log_ratios_and_padding_garbage(extreme, level):
     gradients equal the reference's on the same batch with clean padding (exp(50) ~ 5e21 is finite in float32)."""
     config = GRPOLossConfig(loss_type="grpo", beta=0.1, use_bias_correction_kl=True, importance_sampling_level=level)
     batch = make_batch(B=4, T=17, H=16, V=97, seed=4)
+    # a sink token of bias 60 (never a target) puts every target's log-prob near -60: logp + 50 is still a log-prob
+    batch["weight"] = torch.cat([batch["weight"], torch.zeros(1, 16)])
+    batch["bias"] = torch.cat([torch.zeros(97), torch.tensor([60.0])])
     mask = batch["completion_mask"]
     logps = grpo_loss(**batch, config=GRPOLossConfig(), impl="reference").per_token_logps
-    sign = torch.where(torch.arange(17) % 2 == 0, 1.0, -1.0)
+    assert logps.max() < -50.1
+    sign = torch.where(torch.arange(17) % 2 == 1, 1.0, -1.0)
     far = logps + 50.0 * sign
     near = logps + 0.1 * sign
     old, ref = (far, near) if extreme == "policy_ratio" else (near, far)

@@ -71,6 +71,9 @@ LOSS_FAULTS = [
     Fault("old_logps", _requiring_grad("old_logps"), "requires_grad"),
     Fault("ref_logps", _poison("ref_logps", -float("inf")), "-inf"),
     Fault("ref_logps", _requiring_grad("ref_logps"), "requires_grad"),
+    Fault("old_logps", _set("old_logps", lambda kw: kw["old_logps"].exp()), "probabilities"),
+    Fault("ref_logps", _poison("ref_logps", 0.5), "positive"),
+    Fault("sampling_ratio", _poison("sampling_ratio", -1.0), "negative"),
     Fault("sampling_ratio", _set("sampling_ratio", lambda kw: torch.ones(kw["completion_mask"].shape[0], 2, 2)),
           "3-d"),
     Fault("sampling_ratio", _set("sampling_ratio", lambda kw: torch.full(kw["completion_mask"].shape, float("inf"))),
@@ -79,6 +82,7 @@ LOSS_FAULTS = [
                                                                           requires_grad=True)), "requires_grad"),
     Fault("impl", _set("impl", "cuda"), "cuda"),
     Fault("logps", _poison("logps"), "nan"),
+    Fault("logps", _poison("logps", 0.5), "positive"),
     Fault("logps", _set("logps", lambda kw: kw["logps"][None]), "3-d"),
     Fault("entropy", _set("entropy", lambda kw: kw["entropy"][:, :-1]), "shape"),
     # grpo_loss only
@@ -124,10 +128,12 @@ def loss_calls(draw, with_hidden=False):
         logps = -torch.rand(B, T, generator=gen) * 4
         kw["logps"] = logps
     kw["advantages"] = torch.randn((B, T) if draw(st.booleans()) else (B,), generator=gen)
-    # log-ratios within +-2 (exp(2) ~ 7): a float32 loss of a few units, where the rule's atol is meaningful
+    # log-ratios within +-2 (exp(2) ~ 7): a float32 loss of a few units, where the rule's atol is meaningful;
+    # log-probs are <= 0
     for name in ("old_logps", "ref_logps"):
         if draw(st.booleans()):
-            kw[name] = logps - torch.rand(B, T, generator=gen) + torch.empty(B, T).uniform_(-1, 1, generator=gen)
+            noise = torch.empty(B, T).uniform_(-1, 1, generator=gen) - torch.rand(B, T, generator=gen)
+            kw[name] = (logps + noise).clamp(max=0.0)
     shape = draw(st.sampled_from([None, (B, T), (B, 1)]))
     if shape is not None:
         kw["sampling_ratio"] = torch.rand(shape, generator=gen) + 0.5
@@ -151,7 +157,7 @@ def loss_calls(draw, with_hidden=False):
         fields["temperature"] = draw(st.sampled_from([1.0, 0.7, np.float32(1.3)]))
         fields["softcap"] = draw(st.sampled_from([None, 3.0]))
     if fields["beta"] != 0.0 and "ref_logps" not in kw:
-        kw["ref_logps"] = logps + 0.1
+        kw["ref_logps"] = logps - 0.1
     needs_entropy = fields["top_entropy_quantile"] < 1.0 or fields["entropy_coef"] != 0.0
     if not with_hidden and (needs_entropy or draw(st.booleans())):
         kw["entropy"] = torch.rand(B, T, generator=gen) * 2
@@ -178,7 +184,7 @@ def _full_call(with_hidden):
     B, T, H, V = 3, 4, 5, 7
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)
     logps = -torch.rand(B, T, generator=gen) * 3
-    kw = dict(completion_mask=mask, advantages=torch.randn(B, generator=gen), old_logps=logps + 0.1,
+    kw = dict(completion_mask=mask, advantages=torch.randn(B, generator=gen), old_logps=(logps + 0.1).clamp(max=0.0),
               ref_logps=logps - 0.1, sampling_ratio=torch.rand(B, T, generator=gen) + 0.5, num_items_in_batch=9,
               impl="torch")
     if with_hidden:

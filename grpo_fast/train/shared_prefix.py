@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from grpo_fast import checks
 from grpo_fast.train.forward import decoder_of, position_ids_from_mask, unwrap
 
 logger = logging.getLogger("grpo_fast.train")
@@ -92,7 +93,12 @@ def _register(inner: str) -> str:
 
 def unsupported_reason(model, backend: str = "sdpa") -> str | None:
     """Why ``model`` cannot run :func:`shared_prefix_forward` (None when it can)."""
+    from transformers import PreTrainedModel
+
     base = unwrap(model)
+    if not isinstance(base, PreTrainedModel):
+        return (f"model: expected a transformers PreTrainedModel (or a PEFT wrapper of one), got "
+                f"{type(model).__name__}")
     config = base.config
     if backend not in BACKENDS:
         return f"backend: expected one of {BACKENDS}, got {backend!r}"
@@ -123,7 +129,12 @@ def enable(model, backend: str = "sdpa") -> None:
     if not config._attn_implementation.startswith(PREFIX):
         name = _register(config._attn_implementation)
         unwrap(model).set_attn_implementation(name)
-        logger.info("shared prefix: attention implementation %s (the shared pattern runs on %s)", name, backend)
+        _announce(name, backend)
+
+
+@functools.cache  # once a process: the trainer switches both the policy and its reference
+def _announce(name: str, backend: str) -> None:
+    logger.info("shared prefix: attention implementation %s (the shared pattern runs on %s)", name, backend)
 
 
 # ---------------------------------------------------------------------------------------------- attention
@@ -207,22 +218,40 @@ def _block_mask(real: torch.Tensor, P: int, T: int, G: int):
 # ------------------------------------------------------------------------------------------------ forward
 
 
-def check_shapes(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size) -> None:
+def check_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size) -> None:
+    """Types, shapes and values of :func:`shared_prefix_forward`'s arguments (``model`` already supported); the
+    value checks cost a host sync each (mask values, left padding, the two id ranges)."""
+    fn = "shared_prefix_forward"
     if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
         raise ValueError(f"group_size: expected a positive int, got {group_size!r}")
-    if prompt_ids.dim() != 2 or prompt_mask.shape != prompt_ids.shape:
+    checks.check_tensor(fn, "prompt_ids", prompt_ids, ndim=2, dtypes="int")
+    device = prompt_ids.device
+    checks.check_tensor(fn, "prompt_mask", prompt_mask, device=device, like="prompt_ids")
+    checks.check_tensor(fn, "completion_ids", completion_ids, ndim=2, dtypes="int", device=device, like="prompt_ids")
+    checks.check_tensor(fn, "completion_mask", completion_mask, device=device, like="prompt_ids")
+    if prompt_mask.shape != prompt_ids.shape:
         raise ValueError(f"prompt_ids, prompt_mask: expected two [B, P] tensors, got {tuple(prompt_ids.shape)} "
                          f"and {tuple(prompt_mask.shape)}")
     B = prompt_ids.shape[0]
-    if completion_ids.dim() != 2 or completion_mask.shape != completion_ids.shape:
+    if B == 0:
+        raise ValueError(f"{fn}: prompt_ids must hold at least one prompt (B >= 1), got {checks.describe(prompt_ids)}")
+    if completion_mask.shape != completion_ids.shape:
         raise ValueError(f"completion_ids, completion_mask: expected two [B*G, T] tensors, got "
                          f"{tuple(completion_ids.shape)} and {tuple(completion_mask.shape)}")
     if completion_ids.shape[0] != B * group_size:
         raise ValueError(f"completion_ids: expected B*G = {B}*{group_size} = {B * group_size} rows (G completions per "
                          f"prompt, grouped by prompt), got {completion_ids.shape[0]}")
-    if prompt_ids.shape[1] == 0 or not bool(prompt_mask[:, -1].bool().all()):
+    meta = next((name for name, p in unwrap(model).named_parameters() if p.is_meta), None)
+    if meta is not None:
+        raise ValueError(f"{fn}: model must hold data, got its parameter {meta} on the meta device; materialise the "
+                         "model first (e.g. model.to_empty(device=...) and load its weights)")
+    real = checks.check_mask(fn, "prompt_mask", prompt_mask)
+    if prompt_ids.shape[1] == 0 or not bool(real[:, -1].all()):
         raise ValueError("prompt_mask: expected left-padded prompts (the last column real in every row), got a row "
                          "whose last token is padding or an empty prompt")
+    vocab = unwrap(model).get_input_embeddings().weight.shape[0]
+    for name, ids in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
+        checks.check_token_ids(fn, name, ids, vocab, rows="the rows of the model's input embedding")
 
 
 def packed_inputs(prompt_ids, prompt_mask, completion_ids, group_size):
@@ -245,17 +274,20 @@ def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, comple
         model: a transformers causal LM (or a PEFT wrapper of one) of a supported architecture (Llama, Qwen2, Qwen3,
             Mistral without sliding windows) with an ``sdpa`` or flash-attention implementation. The first call
             switches it to the wrapping implementation (ordinary calls are unchanged).
-        prompt_ids, prompt_mask: ``[B, P]``, left-padded, one row per group.
+        prompt_ids, prompt_mask: ``[B, P]`` (B >= 1), left-padded, one row per group; the mask holds only 0 and 1.
         completion_ids, completion_mask: ``[B*G, T]``, right-padded; rows ``b*G .. b*G+G-1`` belong to prompt ``b``.
+            Ids (prompts' padding included) must be rows of the model's input embedding. ``T = 0`` gives
+            ``[B*G, 0, H]``.
         group_size: G.
         backend: ``"sdpa"`` (any device) or ``"flex"`` (FlexAttention; its backward needs CUDA).
 
     Raises:
         SharedPrefixUnsupported: for an architecture or option the packed pattern would get wrong.
-        ValueError: for inconsistent shapes.
+        ValueError (TypeError for a wrong type): for inconsistent shapes, a mask other than 0/1, ids outside the
+            vocabulary, meta tensors or a model on the meta device; the message names the argument.
     """
-    check_shapes(prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     enable(model, backend)
+    check_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
     B, P = prompt_ids.shape
     T, G = completion_ids.shape[1], group_size
     input_ids, position_ids = packed_inputs(prompt_ids, prompt_mask, completion_ids, G)
@@ -275,7 +307,7 @@ def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, comple
     hidden = out.last_hidden_state  # [B, P + G*T, H]
     last_prompt = hidden[:, P - 1, None, None, :].expand(B, G, 1, hidden.shape[-1])
     completions = hidden[:, P:].unflatten(1, (G, T))[:, :, : T - 1]
-    return torch.cat([last_prompt, completions], dim=2).flatten(0, 1)
+    return torch.cat([last_prompt, completions], dim=2)[:, :, :T].flatten(0, 1)  # [:T]: T = 0 has no last_prompt
 
 
 def token_counts(prompt_len: int, completion_len: int, groups: int, group_size: int) -> tuple[int, int]:
