@@ -10,11 +10,13 @@ Printed in this order (``--json FILE`` writes the same as JSON):
    policy so that clipping and the KL term are live) at three shapes, for every implementation (``triton`` on CUDA,
    ``torch``, ``reference``; Liger-Kernel's ``LigerFusedLinearGRPOLoss`` when installed). Each is compared with the
    float64 reference on the loss, the per-token log-probs, d hidden and d weight under the tolerance rule of
-   ``grpo_fast.testing`` (DESIGN.md §5: ``err <= 2 * err(reference at the same dtype) + atol[dtype]``); the table
+   ``grpo_fast.testing`` (``err <= 2 * err(reference at the same dtype) + atol[dtype]``); the table
    gives the worst of them, the median time of a few steps and the peak memory a step adds to its inputs (CUDA
    allocator; n/a on CPU, where torch keeps no allocator statistics).
 
-Exit status 1 when a check fails or an implementation raises (the FAIL lines name it), 2 on bad arguments.
+Exit status 1 when a check fails or an implementation raises (the FAIL lines name it), 2 on bad arguments (a
+``--json`` path that cannot be written is refused before the check; one that fails at the end gets the JSON
+printed instead).
 """
 
 from __future__ import annotations
@@ -452,6 +454,35 @@ def _device(arg: str | None) -> torch.device:
     return device
 
 
+def check_json_path(path: Path) -> None:
+    """Refuses, before anything runs, a ``--json`` path that cannot be written: a directory, a path below a file, a
+    file or directory without write permission (a ValueError naming ``--json``)."""
+    if path.is_dir():
+        raise ValueError(f"--json: expected a file path, got the directory {str(path)!r}")
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())  # what mkdir would start from
+    if not existing.is_dir():
+        raise ValueError(f"--json: cannot create {str(path)!r}: {str(existing)!r} is a file, not a directory")
+    target = path if path.exists() else existing
+    if not os.access(target, os.W_OK | (0 if target is path else os.X_OK)):
+        raise ValueError(f"--json: cannot write {str(path)!r}: no write permission on {str(target)!r}")
+
+
+def write_json(report: dict, path: Path, log=print) -> bool:
+    """Writes the report; when that fails (the path changed during the run, a full disk) the JSON goes to ``log``
+    instead and one line on stderr says where it could not go. Returns whether the file was written."""
+    text = json.dumps(report, indent=1)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError as e:
+        log(f"\nJSON (not written to {path}):\n{text}")
+        print(f"grpo-fast doctor: error: --json: could not write {str(path)!r} ({e.strerror or e}); the results "
+              "are printed above", file=sys.stderr)
+        return False
+    log(f"JSON: {path}")
+    return True
+
+
 def run(args: argparse.Namespace, log=print) -> int:
     """The whole command; returns the exit status."""
     try:
@@ -460,6 +491,8 @@ def run(args: argparse.Namespace, log=print) -> int:
             raise ValueError(f"--reps: expected an integer >= 1, got {args.reps}")
         if not args.budget > 0:
             raise ValueError(f"--budget: expected seconds > 0, got {args.budget}")
+        if args.json:
+            check_json_path(args.json)
     except ValueError as e:
         print(f"grpo-fast doctor: error: {e}", file=sys.stderr)
         return 2
@@ -518,11 +551,8 @@ def run(args: argparse.Namespace, log=print) -> int:
             f"passed in {report['self_check']['seconds']:.0f} s" + (f", {len(failures)} failed" if failures else "")
             + (f", {len(skipped)} skipped" if skipped else ""))
     report["ok"] = not failures
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1))
-        log(f"JSON: {args.json}")
-    return 1 if failures else 0
+    written = write_json(report, args.json, log) if args.json else True
+    return 1 if failures else 0 if written else 2
 
 
 def main(argv: list[str] | None = None) -> int:

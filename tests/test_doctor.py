@@ -121,3 +121,34 @@ def test_help_explains_the_check(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "doctor" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where", ["directory", "below a file"])
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_check(where, tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    path = {"directory": tmp_path, "below a file": tmp_path / "a-file" / "doctor.json"}[where]
+    code, out, err = _run(["--device", "cpu", "--shapes", "small", "--json", str(path)], capsys)
+    expected = {"directory": f"--json: expected a file path, got the directory '{tmp_path}'",
+                "below a file": f"--json: cannot create '{path}': '{tmp_path / 'a-file'}' is a file, not a directory"}
+    assert code == 2 and err.strip() == f"grpo-fast doctor: error: {expected[where]}"
+    assert out == ""  # refused before anything ran
+
+
+def test_a_json_file_that_fails_at_the_end_is_printed_and_named(monkeypatch, tmp_path, capsys):
+    """The path was fine at the start and is not by the end (here its directory became a file during the run): the
+    results are printed, JSON included, and one line on stderr says where they could not go (exit 2, not 1)."""
+    real = doctor.auto_paths
+    target = tmp_path / "out" / "doctor.json"
+
+    def and_break_the_path(names):
+        (tmp_path / "out").write_text("")  # the directory --json names is a file now
+        return real(names)
+
+    monkeypatch.setattr(doctor, "auto_paths", and_break_the_path)
+    code, out, err = _run(["--no-check", "--json", str(target)], capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [f"grpo-fast doctor: error: --json: could not write '{target}' (File exists); "
+                                        "the results are printed above"]
+    printed = json.loads(out.split(f"JSON (not written to {target}):\n", 1)[1])
+    assert printed["ok"] is True and printed["versions"]["torch"] == torch.__version__
+    assert {r["op"] for r in printed["auto"]} == set(doctor.OPS)
