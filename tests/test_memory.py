@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
+import re
 from pathlib import Path
 
 import pytest
@@ -318,3 +320,42 @@ def test_fit_names_what_a_calibration_file_lacks(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=f"--calibration: {path}.*" + message.replace("(", r"\(").replace(")", r"\)")):
         fit.main(["--model", "qwen2.5-0.5b", "--memory", "24GB", "--calibration", str(path)])
+
+
+@pytest.mark.parametrize("memory", ["0", "0GB", "0MiB", "0.0TiB"])
+def test_fit_refuses_no_memory_the_same_way_for_every_unit(memory):
+    with pytest.raises(ValueError, match=rf"^--memory: expected a size such as 24GB, 80GiB or 24576MiB, got "
+                                         rf"'{re.escape(memory)}'"):
+        fit.main(["--model", "qwen2.5-0.5b", "--memory", memory])
+
+
+def test_fit_refuses_a_memory_that_holds_nothing_and_names_what_the_smallest_step_needs(capsys):
+    """1 MiB, or 10 GB for a 7B model, would print tables of zeros: one line instead, with the smallest step asked
+    about (LoRA, checkpointing, G=1, T=1) and the memory it needs, which does fit."""
+    calibration = projection.load_calibration()
+    lora = fit.USUAL_TRAININGS[2]
+    needs = {m: fit.need_at_one_token(calibration, "qwen2.5-7b", m, 1, fit.build_parser().parse_args(
+        ["--model", "qwen2.5-7b"]), lora) for m in lora.methods()}
+    method = min(needs, key=needs.get)
+    for memory in ("1MiB", "10GB"):
+        with pytest.raises(ValueError) as info:
+            fit.main(["--model", "qwen2.5-7b", "--memory", memory])
+        assert str(info.value) == (
+            f"--memory: {memory} holds nothing: the smallest step it was asked about (qwen2.5-7b, {method}, "
+            f"{lora.describe()}, G=1, T=1) needs {needs[method] / fit.GIB:.1f} GiB, so at least "
+            f"{needs[method] / 0.9 / fit.GIB:.1f} GiB with 10% kept free (--headroom)")
+    enough = f"{math.ceil(needs[method] / 0.9 / fit.GIB * 10) / 10:.1f}GB"
+    assert fit.main(["--model", "qwen2.5-7b", "--memory", enough]) == 0
+    assert "| 1 | 0 | 0 | 0 |" not in capsys.readouterr().out.split("LoRA r=16")[1]  # LoRA's row for G=1 fits
+    with pytest.raises(ValueError, match=r"^--memory: 1MiB holds nothing: the smallest step it was asked about "
+                                         r"\(qwen2.5-0.5b, .*, G=8, T=1\) needs"):
+        fit.main(["--summary", "8", "--memory", "1MiB"])
+
+
+def test_the_cli_prints_a_memory_refusal_as_one_line(capsys):
+    from grpo_fast.cli import main
+
+    assert main(["fit", "--model", "qwen2.5-7b", "--memory", "1MiB"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("grpo-fast fit: error: --memory: 1MiB holds nothing: ")
+    assert len(captured.err.strip().splitlines()) == 1

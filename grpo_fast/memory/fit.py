@@ -48,7 +48,10 @@ def parse_memory(text: str) -> int:
     if not match:
         raise ValueError(f"--memory: expected a size such as 24GB, 80GiB or 24576MiB, got {text!r}")
     value, unit = float(match.group(1)), match.group(2).lower()[0]
-    return int(value * {"m": 2**20, "g": 2**30, "t": 2**40}[unit])
+    size = int(value * {"m": 2**20, "g": 2**30, "t": 2**40}[unit])
+    if size < 1:
+        raise ValueError(f"--memory: expected a size such as 24GB, 80GiB or 24576MiB, got {text!r} (no memory)")
+    return size
 
 
 def fit_table(model: str, memory: int, *, prompts: int = 1, prompt_len: int = 512, headroom: float = 0.1,
@@ -122,8 +125,21 @@ def _measured_line(args, calibration: dict) -> str:
             "terms.")
 
 
+def nothing_fits(args, calibration: dict, cases) -> ValueError:
+    """The error for a ``--memory`` that holds not even the shortest step of any ``(model, training, method, G)`` in
+    ``cases``: it names the smallest of them and the memory that one needs."""
+    need, name, training, method, G = min(
+        ((need_at_one_token(calibration, name, method, G, args, training), name, training, method, G)
+         for name, training, method, G in cases), key=lambda case: case[0])
+    return ValueError(
+        f"--memory: {args.memory} holds nothing: the smallest step it was asked about ({name}, {method}, "
+        f"{training.describe()}, G={G}, T=1) needs {need / GIB:.1f} GiB, so at least "
+        f"{need / (1 - args.headroom) / GIB:.1f} GiB with {args.headroom:.0%} kept free (--headroom)")
+
+
 def summary(memory: int, group_size: int, args, calibration: dict, trainings) -> str:
     """One table per training set-up, one row per calibrated registry model: the largest T at ``group_size``."""
+    cases, fitted = [], False
     lines = [f"PROJECTED largest completion length T at G={group_size} in {memory / GIB:.0f} GiB ({args.headroom:.0%} "
              f"kept free), {args.prompts} prompt(s) of {args.prompt_len} tokens, {args.dtype} on {args.device}; "
              "no (X GiB at T=1): even the shortest step needs X GiB; 65,536+: at least that (the search stops "
@@ -140,10 +156,14 @@ def summary(memory: int, group_size: int, args, calibration: dict, trainings) ->
             cells = []
             for m in methods:
                 T = result["table"][m][group_size]
+                cases.append((name, training, m, group_size))
+                fitted |= T > 0
                 cells.append(cell(T) if T else
                              f"no ({need_at_one_token(calibration, name, m, group_size, args, training) / GIB:.0f} "
                              "GiB at T=1)")
             lines.append(f"| {name} | {get_model(name).num_params() / 1e9:.2f}B | " + " | ".join(cells) + " |")
+    if cases and not fitted:
+        raise nothing_fits(args, calibration, cases)
     lines += ["", _measured_line(args, calibration)]
     return "\n".join(lines)
 
@@ -223,5 +243,8 @@ def main(argv=None, prog: str = "grpo-fast fit") -> int:
     results = [fit_table(args.model, memory, prompts=args.prompts, prompt_len=args.prompt_len,
                          headroom=args.headroom, dtype=args.dtype, device=args.device, training=training,
                          calibration=calibration) for training in trainings]
+    if not any(T for result in results for column in result["table"].values() for T in column.values()):
+        raise nothing_fits(args, calibration, [(args.model, result["training"], method, min(GROUP_SIZES))
+                                               for result in results for method in result["table"]])
     print(format_fit(results, memory, args, calibration))
     return 0
