@@ -302,3 +302,22 @@ def test_sampler_rejects_mismatched_state():
         PromptSampler(RECS, 3, seed=7).load_state_dict({**state, "index": 10})
     with pytest.raises(ValueError, match="batch_size must be positive"):
         PromptSampler(RECS, 0, seed=7)
+
+
+def test_the_loader_checks_every_row_and_counts_the_bad_ones_after_the_first(tmp_path):
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": 7, "answer": "2"}, {"prompt": "c"}, {"prompt": "d"},
+            {"prompt": "e", "answer": "5"}]
+    path = _write_jsonl(tmp_path / "data.jsonl", rows)
+    with pytest.raises(ValueError, match=r"^.*data\.jsonl, line 2: column 'prompt' must be a string or a non-empty "
+                                         r"list of chat messages .*, got 7 \(2 more records have a problem\)$"):
+        load_records(path, required=("answer",))
+    path = _write_jsonl(tmp_path / "data.jsonl", rows[:3])
+    with pytest.raises(ValueError, match=r"line 2: .* \(1 more record has a problem\)$"):
+        load_records(path, required=("answer",))
+
+
+def test_check_prompts_counts_the_empty_prompts_after_the_first(tmp_path, tokenizer):
+    located = _located(tmp_path, ["hi", " ", "hi", "", "\n"])
+    with pytest.raises(ValueError, match=r"data.jsonl, line 3: column 'prompt' is an empty prompt, got ' ' \(2 more "
+                                         r"prompts are empty\)$"):
+        check_prompts(located, tokenizer, prompt_column="prompt", max_prompt_length=8)
