@@ -8,10 +8,12 @@ import logging
 import numpy as np
 import pytest
 import torch
-from helpers import make_batch
+from helpers import make_batch, to_float64
 
 from grpo_fast import GRPOLoss, GRPOLossConfig, fused_logprobs, grpo_loss, grpo_loss_from_logps
+from grpo_fast.checks import LOGPROB_SLACK
 from grpo_fast.dispatch import resolve_impl
+from grpo_fast.testing import assert_close_rule
 
 
 @pytest.fixture
@@ -81,7 +83,14 @@ def _call(batch, **changes):
         (dict(completion_mask=torch.ones(2, 4)), r"completion_mask must have shape \[2, 5\]"),
         (dict(completion_mask=torch.full((2, 5), 2)), "completion_mask must hold only 0 and 1"),
         (dict(old_logps=torch.randn(2, 4)), r"old_logps must have shape \[2, 5\]"),
-        (dict(old_logps=torch.full((2, 5), float("nan"))), "old_logps must be finite"),
+        (dict(old_logps=torch.full((2, 5), float("nan"))),
+         r"grpo_loss: old_logps must be log-probabilities \(finite and <= 0.001\) where completion_mask is 1, got 9 "
+         r"value\(s\) outside that \(nan, nan, nan\)"),
+        (dict(sampling_ratio=-torch.ones(2, 5)),
+         r"sampling_ratio must be importance-sampling weights p_old / p_sampler \(finite and >= 0\), got 10 value\(s\) "
+         r"outside that \(-1, -1, -1\) in tensor of shape \(2, 5\)"),
+        (dict(sampling_ratio=torch.tensor([[1.0], [float("inf")]])), r"sampling_ratio .* got 1 value\(s\) .* \(inf\)"),
+        (dict(sampling_ratio=torch.tensor([[1.0], [float("nan")]])), r"sampling_ratio .* got 1 value\(s\) .* \(nan\)"),
         (dict(sampling_ratio=torch.ones(2, 3)), r"sampling_ratio must have shape \[2, 5\] or \[2, 1\]"),
         (dict(bias=torch.zeros(12)), r"bias must have shape \[13\]"),
         (dict(hidden=torch.full((2, 5, 8), float("inf"))), "hidden must be finite"),
@@ -113,18 +122,147 @@ def test_grpo_loss_bad_input(batch, changes, match):
         _call(batch, **changes)
 
 
-def test_padding_values_are_not_checked(batch):
-    """-inf/NaN old or ref log-probs at masked positions are padding, not an error, and change nothing (the
-    reference, TRL's formulas verbatim, would turn them into a NaN loss: 0 * NaN)."""
+@pytest.mark.parametrize("old_fill,ref_fill", [(float("nan"), -float("inf")), (0.7, 1e30)])
+def test_padding_values_are_not_checked(batch, old_fill, ref_fill):
+    """-inf/NaN or positive old or ref log-probs at masked positions are padding, not an error, and change nothing
+    (the reference, TRL's formulas verbatim, would turn NaN into a NaN loss: 0 * NaN)."""
     mask = batch["completion_mask"]
-    old = torch.where(mask, batch["old_logps"], float("nan"))
-    ref = torch.where(mask, batch["ref_logps"], -float("inf"))
+    assert not mask.all()
+    old = torch.where(mask, batch["old_logps"], old_fill)
+    ref = torch.where(mask, batch["ref_logps"], ref_fill)
     config = GRPOLossConfig(beta=0.1)
     out = _call(batch, old_logps=old, ref_logps=ref, config=config)
     clean = _call(batch, config=config)
     for name, value in out._asdict().items():
         if value is not None:
             assert torch.equal(value, getattr(clean, name)), name
+
+
+def _policy_logps(batch):
+    return grpo_loss(**batch, impl="reference").per_token_logps
+
+
+def _either(fn, batch, **changes):
+    """``fn`` ("grpo_loss" or "grpo_loss_from_logps") on ``batch`` with ``changes``; the latter gets the policy's
+    log-probs ``_policy_logps(batch)`` unless ``changes`` has ``logps``."""
+    config = changes.pop("config", GRPOLossConfig(beta=0.1))
+    kw = {**batch, **changes}
+    if fn == "grpo_loss":
+        return grpo_loss(**kw, config=config, impl="torch")
+    logps = kw.pop("logps", None)
+    logps = _policy_logps(batch) if logps is None else logps
+    kw = {k: kw[k] for k in ("advantages", "completion_mask", "old_logps", "ref_logps", "sampling_ratio")}
+    return grpo_loss_from_logps(logps, **kw, config=config, impl="torch")
+
+
+@pytest.mark.parametrize("bad", ["probabilities", "positive", "nan", "-inf"])
+@pytest.mark.parametrize("fn,name", [("grpo_loss", "old_logps"), ("grpo_loss", "ref_logps"),
+                                     ("grpo_loss_from_logps", "old_logps"), ("grpo_loss_from_logps", "ref_logps"),
+                                     ("grpo_loss_from_logps", "logps")])
+def test_log_probs_that_are_not_log_probs_are_refused(batch, fn, name, bad):
+    """Probabilities passed as log-probs (``old_logps = logps.exp()`` makes the gradient exactly 0), positive values,
+    NaN and -inf at a counted position: refused, naming the argument."""
+    x = _policy_logps(batch) if name == "logps" else batch[name]
+    assert batch["completion_mask"][0].all()  # row 0 counts every position
+    if bad == "probabilities":
+        x = x.exp()
+    else:
+        x = x.clone()
+        x[0, 2] = {"positive": 0.25, "nan": float("nan"), "-inf": -float("inf")}[bad]
+    shown = {"positive": "0.25", "nan": "nan", "-inf": "-inf"}.get(bad, r"0\.\d+")
+    count = int(batch["completion_mask"].sum()) if bad == "probabilities" else 1
+    with pytest.raises(ValueError, match=rf"{fn}: {name} must be log-probabilities \(finite and <= 0.001\) where "
+                                         rf"completion_mask is 1, got {count} value\(s\) outside that \({shown}"):
+        _either(fn, batch, **{name: x})
+
+
+@pytest.mark.parametrize("fn", ["grpo_loss", "grpo_loss_from_logps"])
+def test_the_log_prob_slack_is_the_one_constant(batch, fn):
+    """Up to LOGPROB_SLACK above 0 is rounding and accepted (the loss is the reference's on the same values); twice
+    that is refused."""
+    for name in ("old_logps", "ref_logps"):
+        x = batch[name].clone()
+        x[0, 1] = LOGPROB_SLACK / 2
+        out = _either(fn, batch, **{name: x})
+        ref = grpo_loss(**to_float64({**batch, name: x}), config=GRPOLossConfig(beta=0.1), impl="reference")
+        pt = grpo_loss(**{**batch, name: x}, config=GRPOLossConfig(beta=0.1), impl="reference")
+        assert_close_rule(out.loss, pt.loss, ref.loss, torch.float32, name)
+        x[0, 1] = 2 * LOGPROB_SLACK
+        with pytest.raises(ValueError, match=f"{name} must be log-probabilities"):
+            _either(fn, batch, **{name: x})
+
+
+def test_log_probs_computed_in_bfloat16_are_accepted():
+    """Near-certain tokens, where a log-prob sits at 0 and rounding could push it up: TRL's selective_log_softmax on
+    bfloat16 logits (how TRL computes reference log-probs in a bf16 model) and fused_logprobs on bfloat16 weights
+    give values <= 0, which grpo_loss takes; its loss is the reference's on those values."""
+    from trl.trainer.utils import selective_log_softmax
+
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, V = 3, 7, 16, 61
+    hidden = torch.randn(B, T, H, generator=gen) * 4
+    weight = torch.randn(V, H, generator=gen)
+    targets = (hidden @ weight.T).argmax(-1)  # the most likely token of every position
+    ref_logps = selective_log_softmax((hidden @ weight.T).bfloat16(), targets).float()
+    old_logps = fused_logprobs(hidden.bfloat16(), weight.bfloat16(), targets)
+    for x in (ref_logps, old_logps):
+        assert x.max() > -1e-4 and x.max() <= 0.0  # tokens of probability ~1, and no rounding above 0
+    kw = dict(advantages=torch.randn(B, generator=gen), completion_mask=torch.ones(B, T, dtype=torch.long),
+              old_logps=old_logps, ref_logps=ref_logps, config=GRPOLossConfig(beta=0.04))
+    out = grpo_loss(hidden, weight, targets, impl="torch", **kw)
+    pt = grpo_loss(hidden, weight, targets, impl="reference", **kw)
+    ref = grpo_loss(hidden.double(), weight.double(), targets, impl="reference",
+                    **{k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                       for k, v in kw.items()})
+    assert_close_rule(out.loss, pt.loss, ref.loss, torch.float32, "loss")
+    assert_close_rule(out.kl, pt.kl, ref.kl, torch.float32, "kl")
+
+
+def test_negative_sampling_ratios_are_refused_at_padding_too(batch):
+    """sampling_ratio is checked at every position: vespo sums log(ratio) over every column, as TRL does (whose
+    ratio there is exp(0) = 1)."""
+    mask = batch["completion_mask"]
+    assert int((~mask).sum()) == 1
+    ratio = torch.where(mask, 1.0, -1.0)
+    with pytest.raises(ValueError, match=r"sampling_ratio must be importance-sampling weights .* got 1 value\(s\) "
+                                         r"outside that \(-1\)"):
+        _call(batch, sampling_ratio=ratio)
+
+
+@pytest.mark.parametrize("value", [0.0, 3.0, 5.0, 1e6])
+def test_sampling_ratios_from_zero_past_trls_cap_are_accepted(batch, value):
+    """0 (TRL's masked-out tokens) and ratios above TRL's default cap of 3 (the cap is the user's to choose) are
+    ratios of probabilities: accepted, and a constant ratio scales the policy loss by itself."""
+    ratio = torch.full((2, 1), value)
+    base = _call(batch, sampling_ratio=torch.ones(2, 1))
+    out = _call(batch, sampling_ratio=ratio)
+    torch.testing.assert_close(out.loss, value * base.loss)
+
+
+@pytest.mark.parametrize("fn", ["grpo_loss", "grpo_loss_from_logps"])
+def test_dr_grpo_refuses_completions_longer_than_max_completion_length(batch, fn):
+    """dr_grpo divides by B * max_completion_length; a counted token past it means a length the loss was not scaled
+    for (T = 5, row 0 full)."""
+    config = GRPOLossConfig(loss_type="dr_grpo", max_completion_length=4)
+    with pytest.raises(ValueError, match=rf"{fn}: config.max_completion_length must be at least the longest "
+                                         r"completion, got 4 while completion_mask counts tokens past its first 4 "
+                                         r"columns \(T=5\)"):
+        _either(fn, batch, config=config)
+
+
+def test_dr_grpo_takes_padding_columns_past_max_completion_length(batch):
+    """TRL's pad_to_multiple_of: T = 8 columns for completions of at most 5 tokens. max_completion_length=5 is then
+    true, and the loss is the unpadded batch's."""
+    config = GRPOLossConfig(loss_type="dr_grpo", max_completion_length=5)
+    padded = dict(batch)
+    for name in ("hidden", "target_ids", "completion_mask", "old_logps", "ref_logps"):
+        x = batch[name]
+        padded[name] = torch.cat([x, x.new_zeros((2, 3, *x.shape[2:]))], dim=1)
+    out = _call(padded, config=config)
+    pt = _call(batch, config=config)
+    ref = grpo_loss(**to_float64(batch), config=config, impl="reference")
+    assert_close_rule(out.loss, pt.loss, ref.loss, torch.float32, "loss")
+    assert out.loss != 0
 
 
 @pytest.mark.parametrize("n", [57, 57.0, np.float32(57), np.int64(57), torch.tensor(57), torch.tensor([57.0]),
@@ -191,7 +329,7 @@ def test_from_logps_needs_entropy_for_entropy_options():
     logps, adv, mask = -torch.rand(2, 5), torch.randn(2), torch.ones(2, 5)
     with pytest.raises(ValueError, match="need entropy"):
         grpo_loss_from_logps(logps, adv, mask, config=GRPOLossConfig(top_entropy_quantile=0.2))
-    with pytest.raises(ValueError, match="logps must be finite"):
+    with pytest.raises(ValueError, match=r"grpo_loss_from_logps: logps must be log-probabilities \(finite and <= 0.001\)"):
         grpo_loss_from_logps(torch.full((2, 5), float("nan")), adv, mask)
 
 

@@ -294,6 +294,65 @@ def test_bad_shapes_name_the_argument(change, match):
         shared_prefix_forward(model, *data, group_size=3)
 
 
+def _meta(x):
+    return x.to("meta")
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (lambda d: (d[0], d[1] * 0.5, d[2], d[3]), ValueError,
+         r"shared_prefix_forward: prompt_mask must hold only 0 and 1, got other values in tensor of shape \(2, 4\), "
+         r"dtype torch.float32"),
+        (lambda d: (d[0], d[1] * 2, d[2], d[3]), ValueError, "prompt_mask must hold only 0 and 1"),
+        (lambda d: (d[0] + V, d[1], d[2], d[3]), ValueError,
+         rf"shared_prefix_forward: prompt_ids must hold ids in \[0, {V}\) \(the rows of the model's input "
+         rf"embedding\), got values in \[{V}, "),
+        (lambda d: (d[0], d[1], d[2] - 1, d[3]), ValueError,  # the padding ids 0 become -1
+         rf"completion_ids must hold ids in \[0, {V}\) .* got values in \[-1, "),
+        (lambda d: (d[0].float(), d[1], d[2], d[3]), TypeError, "prompt_ids must be an integer tensor of token ids"),
+        (lambda d: (d[0].tolist(), d[1], d[2], d[3]), TypeError, "prompt_ids must be a torch.Tensor, got list"),
+        (lambda d: (_meta(d[0]), d[1], d[2], d[3]), ValueError, "prompt_ids must hold data, got a meta tensor"),
+        (lambda d: (d[0], d[1], _meta(d[2]), _meta(d[3])), ValueError,
+         "completion_ids must hold data, got a meta tensor"),
+        (lambda d: (d[0][:0], d[1][:0], d[2][:0], d[3][:0]), ValueError,
+         r"shared_prefix_forward: prompt_ids must hold at least one prompt \(B >= 1\), got tensor of shape \(0, 4\)"),
+    ],
+    ids=["mask-half", "mask-two", "prompt-ids-past-V", "negative-completion-ids", "float-ids", "list", "meta-prompt",
+         "meta-completion", "no-prompts"],
+)
+def test_bad_values_name_the_argument(change, error, match):
+    model = build("llama")
+    data = change(batch(B=2, G=3, P=4, T=3))
+    with pytest.raises(error, match=match):
+        shared_prefix_forward(model, *data, group_size=3)
+
+
+def test_a_model_that_is_not_a_transformers_model_is_refused():
+    with pytest.raises(SharedPrefixUnsupported, match="shared_prefix_forward: model: expected a transformers "
+                                                      "PreTrainedModel .* got Linear"):
+        shared_prefix_forward(torch.nn.Linear(4, 4), *batch(B=1, G=2, P=3, T=2), group_size=2)
+
+
+def test_a_model_on_the_meta_device_is_refused():
+    with torch.device("meta"):
+        model = build("llama")
+    with pytest.raises(ValueError, match="model must hold data, got its parameter model.embed_tokens.weight on the "
+                                         "meta device; materialise the model first"):
+        shared_prefix_forward(model, *batch(B=1, G=2, P=3, T=2), group_size=2)
+
+
+def test_empty_completions_give_empty_hidden_states():
+    """T = 0: ``[B*G, 0, H]`` like the unshared forward, not the prompt's last hidden state."""
+    model = build("llama")
+    prompt_ids, prompt_mask, completion_ids, completion_mask = batch(B=2, G=3, P=4, T=2)
+    completion_ids, completion_mask = completion_ids[:, :0], completion_mask[:, :0]
+    got = shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size=3)
+    want = unshared(model, prompt_ids, prompt_mask, completion_ids, completion_mask, 3)
+    assert got.shape == want.shape == (6, 0, SMALL["hidden_size"])
+    assert got.dtype == want.dtype
+
+
 @pytest.mark.parametrize("group_size", [0, 2.0, True])
 def test_bad_group_size(group_size):
     with pytest.raises(ValueError, match="group_size: expected a positive int"):
