@@ -1,19 +1,23 @@
 """The sandbox's child program, run as ``python -I -S -B _sandbox_child.py JOB_FILE`` by sandbox.py (never
 imported): it sets the limits, confines itself with what the kernel offers (landlock.py), stubs the unaudited calls,
-installs the audit hook and runs the job. Everything after that shares the interpreter with the completion, so the
-hook and the test loop bind what they use beforehand. Standard library only: grpo_fast is not importable here.
+installs the audit hook and runs the job: the completion, then for each test its import statements and the
+expressions the parent asked for (asserts.py), whose values it reports as plain data (plain_data.py). It decides
+nothing: it never sees a test's expected values and has no way to report a pass, so the completion, which shares
+this interpreter and can take it over, can only change the values it reports. Standard library only: grpo_fast is
+not importable here.
 """
 
 import json, os, resource, sys
 import signal, _posixsubprocess  # loaded now so that stub_unaudited_calls can stub their C functions
 
-# landlock.py sits next to this file; its directory leaves sys.path again before any completion runs
+# landlock.py and plain_data.py sit next to this file; its directory leaves sys.path again before any completion runs
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 from landlock import (  # noqa: E402
     DEVICE_READ_WRITE_PATHS, SYSTEM_READ_PATHS, deny_sockets, drop_capabilities, no_new_privileges,
     private_network, private_tmpfs, restrict,
 )
+from plain_data import MAX_VALUE_CHARS, Budget, NotPlain, to_tree  # noqa: E402
 sys.path[:] = [path for path in sys.path if path != _HERE]
 
 AF_UNIX = 1  # socket.AF_UNIX on Linux; importing socket just for it would slow every run down
@@ -139,39 +143,72 @@ def make_audit_hook(workdir):
     return hook
 
 
-def run(code, tests, channel, nonce, layers):
-    """Run the completion, then each test in its namespace, reporting on the channel as "<nonce> <words>" lines."""
-    def line(*words):
-        return (" ".join((nonce,) + words) + "\n").encode()
+def printable(text):
+    """The first 200 characters of ``text`` in printable ASCII (it travels in a report line of bounded length)."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:200])
 
-    # Bind every callable used after the completion has run and build every report line now: the completion shares
-    # builtins and modules with this function and could otherwise rebind, say, builtins.exec.
-    write, run_code, exit_now, failure = os.write, exec, os._exit, BaseException
-    plan = [(test, line("pass", str(i)), f"sandbox: test {i} failed\n".encode()) for i, test in enumerate(tests)]
-    code_error, done = line("code-error"), line("done")
+
+def describe(exc):
+    """``Type: message`` of an exception, :func:`printable`."""
+    try:
+        return printable(f"{type(exc).__name__}: {exc}")
+    except BaseException:  # a __str__ or a metaclass that raises
+        return "an exception that cannot be described"
+
+
+def run(code, tests, channel, layers):
+    """Run the completion, then each test's steps in its namespace, reporting on the channel one JSON line each:
+    the layers, how the completion ran (``{"code": "ok"}`` or ``"error"``), then per test ``{"i": i, "r": [...]}``
+    with one outcome per ``eval`` step (``["v", tree]``, ``["x", raised]``, ``["n", why not plain]``), or
+    ``{"i": i, "e": raised}`` when an import step raised."""
+    # Bind what this function uses before the completion runs: an innocent completion that rebinds a builtin
+    # (exec, say) must not break the report. (A hostile one can take this interpreter over: that changes nothing
+    # but the values reported, which the parent judges.)
+    write, run_code, evaluate, exit_now, failure, dumps = os.write, exec, eval, os._exit, BaseException, json.dumps
+    steps = [[(kind, compile(source, f"<test {i}>", kind)) for kind, source in test] for i, test in enumerate(tests)]
+
+    def send(message):
+        data = (dumps(message, separators=(",", ":")) + "\n").encode()
+        while data:
+            data = data[write(channel, data):]
+
+    def outcome(expression, namespace, budget):
+        try:
+            value = evaluate(expression, namespace)
+        except failure as exc:
+            return ["x", describe(exc)]
+        try:
+            budget.spend(16)  # this outcome's framing
+            return ["v", to_tree(value, budget)]
+        except NotPlain as exc:
+            return ["n", printable(str(exc))]
+        except failure as exc:  # raised while draining an iterator, MemoryError, RecursionError...
+            return ["n", "encoding it raised " + describe(exc)]
+
     module = type(sys)("solution")  # a module of its own, so that dataclasses and pickle find the completion's
     sys.modules["solution"] = module
     namespace = module.__dict__
-    write(channel, line("layers", ",".join(layers)))
+    send({"layers": layers})
     try:
         run_code(compile(code, "<completion>", "exec"), namespace)
     except failure as exc:
         namespace.clear()  # free what the code allocated (a huge list, say) before reporting
+        write(2, f"sandbox: the completion raised {describe(exc)}\n".encode())  # before the parent stops reading
+        send({"code": "error"})
+        exit_now(0)
+    send({"code": "ok"})
+    for i, test in enumerate(steps):
+        budget, results = Budget(MAX_VALUE_CHARS), []
         try:
-            message = f"sandbox: the completion raised {type(exc).__name__}: {exc}"[:1000]
-        except failure:
-            message = "sandbox: the completion raised an exception"
-        write(channel, code_error)
-        write(2, message.encode(errors="replace") + b"\n")
-    else:
-        for test, passed, failed in plan:
-            try:
-                run_code(test, namespace)
-            except failure:
-                write(2, failed)
-            else:
-                write(channel, passed)
-    write(channel, done)
+            for kind, step in test:
+                if kind == "exec":
+                    run_code(step, namespace)
+                else:
+                    results.append(outcome(step, namespace, budget))
+            message = {"i": i, "r": results}
+        except failure as exc:
+            message = {"i": i, "e": describe(exc)}
+        send(message)
     exit_now(0)  # skip interpreter teardown: threads the completion started must not keep the process alive
 
 
@@ -187,7 +224,7 @@ def main(job_file):
     if "audit-hook" not in job["skip_layers"]:
         sys.addaudithook(make_audit_hook(workdir))
         layers.append("audit-hook")
-    run(job["code"], job["tests"], job["channel"], job["nonce"], layers)
+    run(job["code"], job["tests"], job["channel"], layers)
 
 
 if __name__ == "__main__":

@@ -29,16 +29,20 @@ these layers (:func:`isolation_layers` says which are active on this machine):
   ``os.mkfifo``, ``os.pidfd_open``, ``signal.pidfd_send_signal``, ``_posixsubprocess.fork_exec``) become stubs
   that raise.
 
-Results come back on a pipe the completion is not told about, each line prefixed with a random per-run nonce, so
-printing "PASS" gains nothing.
+**No reward is decided inside the sandbox.** The parent reads each test (:mod:`grpo_fast.train.asserts`) and sends the
+child only the expressions that use the completion (``f(2)`` of ``assert f(2) == 4``); the child evaluates them and
+reports their values as plain data (:mod:`grpo_fast.train.plain_data`: JSON of ints, strings, lists, dicts...) on a
+pipe, one line per test, in order. The parent judges each assert itself, over those values and with the expected
+values it kept. The completion shares the child's interpreter and can take it over (walk the stack, patch builtins,
+write to the pipe, exit early): all that gains it is a say over the values reported, which still have to be right;
+an object with a lying ``__eq__`` is not plain data, and a report out of order or out of form fails every test.
 
 With Landlock (:func:`isolation_layers` lists ``landlock-<ABI>``) the kernel enforces the file-system, network and
 signal confinement whatever the completion does, ctypes and raw system calls included. Without it (an older kernel, or
 Landlock off at boot; :func:`code_reward` warns once and its metrics say so) only the audit hook guards files (seccomp
 still refuses sockets), and it runs in the interpreter it guards: code written to defeat it (by patching the stdlib
 functions it calls, by walking stack frames up to the harness) can. Not confined in either case: reading the
-interpreter's and system libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs. Tests that
-run in the completion's own process can also be gamed from inside (say, by returning an object equal to everything).
+interpreter's and system libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs.
 """
 
 from __future__ import annotations
@@ -48,7 +52,6 @@ import json
 import logging
 import math
 import os
-import secrets
 import selectors
 import shutil
 import signal
@@ -61,6 +64,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from grpo_fast.train import plain_data
+from grpo_fast.train.asserts import TestPlan, judge, parse_tests
 
 logger = logging.getLogger("grpo_fast.train")
 
@@ -80,7 +86,8 @@ _READ_CHUNK = 1 << 16
 _POLL_S = 0.05  # how often the parent checks whether the child has exited while it waits for output
 _DRAIN_S = 1.0  # after the kill, how long the parent keeps reading what the pipes still hold
 _DETAIL_CHARS = 500  # the most stderr characters kept in SandboxResult.detail
-_MAX_REPORT_LINE = 256  # the most bytes kept of a report line the child has not ended yet
+_DETAIL_FAILURES = 5  # the most failed tests SandboxResult.detail explains
+_MAX_STATUS_LINE = 1 << 16  # the longest report line other than a test's values
 _PYTHON_FENCE_TAGS = frozenset({"", "python", "python3", "py"})
 _CHILD_PROGRAM = str(Path(__file__).with_name("_sandbox_child.py"))  # what the child interpreter runs
 
@@ -132,14 +139,17 @@ class SandboxResult:
     """The outcome of one sandboxed run.
 
     Attributes:
-        passed: tests that reported passing (before the end, for a run that was stopped).
+        passed: tests the parent judged passed, from the values the child reported (before the end, for a run that
+            was stopped).
         total: tests given.
         status: how the run ended, one of :data:`STATUSES`: ``"ok"`` (every test passed), ``"failed"`` (the tests
-            ran, some failed), ``"error"`` (the code did not compile or raised, so no test ran; or the interpreter
-            exited early), ``"timeout"`` (past ``timeout_s``), ``"killed"`` (a signal ended it: the CPU-time limit,
-            a crash), ``"output_limit"`` (past ``max_output_bytes``) or ``"disk_limit"`` (the watchdog saw the
-            directory past ``disk_mb`` or ``max_files``).
-        detail: the reason, if the run was stopped, and the last characters of the child's stderr.
+            ran, some failed), ``"error"`` (the code did not compile or raised, so no test ran; the interpreter
+            exited before answering every test; or its report broke protocol, which fails every test),
+            ``"timeout"`` (past ``timeout_s``), ``"killed"`` (a signal ended it: the CPU-time limit, a crash),
+            ``"output_limit"`` (past ``max_output_bytes``) or ``"disk_limit"`` (the watchdog saw the directory past
+            ``disk_mb`` or ``max_files``).
+        detail: the reason, if the run was stopped; why the first failed tests failed; the last characters of the
+            child's stderr.
     """
 
     passed: int
@@ -156,18 +166,23 @@ class SandboxResult:
 def run_tests(code: str, tests: list[str] | str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
     """Run ``code``, then each test, in one sandboxed interpreter and count the tests that pass.
 
-    A test is a Python snippet such as ``"assert f(2) == 4"``, run in the namespace the code defined; it passes when
-    it raises nothing. A string is a single test, a list holds one test per item. Tests run one after the other, each
-    on its own (one failing does not stop the next); a run that is stopped keeps the passes reported before it.
-    The code runs as a module named ``solution``, so an ``if __name__ == "__main__":`` block in it does not run,
-    and only the standard library is importable (the interpreter starts without site-packages).
+    A test is a string of assert statements (and imports), such as ``"assert f(2) == 4"``; it passes when every
+    assert in it holds. The sandbox evaluates only the parts that use the code (``f(2)``), in the namespace the code
+    defined, and the parent judges each assert over the plain values that come back; the rules, and the tests refused
+    with a ``ValueError`` naming them (loops, assignments, function definitions, library calls run in the sandbox,
+    comparisons of two sandbox values): :mod:`grpo_fast.train.asserts`. A string is a single test, a list holds one
+    test per item. Tests run one after the other, each on its own (one failing does not stop the next); a run that is
+    stopped keeps the passes judged before it. The code runs as a module named ``solution``, so an ``if __name__ ==
+    "__main__":`` block in it does not run, and only the standard library is importable (the interpreter starts
+    without site-packages).
     """
     _require_linux()
     if not isinstance(code, str):
         raise TypeError(f"code must be a str, got {type(code).__name__}")
     snippets = [tests] if isinstance(tests, str) else list(tests)
     if not all(isinstance(test, str) for test in snippets):
-        raise TypeError("tests must be a str or a list of str")
+        bad = next(test for test in snippets if not isinstance(test, str))
+        raise TypeError(f"tests must be a str or a list of str, got an item {bad!r:.100} ({type(bad).__name__})")
     return _run_child(code, snippets, limits)[0]
 
 
@@ -206,6 +221,8 @@ def code_reward(
     for a sample without tests, which scores None. ``prompts`` and other columns in ``kwargs`` are part of the
     reward-function signature and unused. Up to ``min(os.cpu_count(), 4)`` sandboxes run at once. A ``tests``
     value that is a string holding a JSON list of strings (as parquet files often store lists) counts as that list.
+    Every test is read before any sandbox starts: one the parent cannot judge (:func:`run_tests`) raises
+    ``ValueError`` naming it (``code_reward: tests[3][0]``).
 
     The first call finds the isolation layers (:func:`isolation_layers`) and warns once if the kernel offers no
     Landlock; ``code_reward.metrics()`` (:func:`sandbox_metrics`) reports them to the trainer's log.
@@ -216,12 +233,15 @@ def code_reward(
     limits = SandboxLimits() if limits is None else limits
     isolation_layers()
 
-    cases = [test_snippets(case_tests, f"code_reward: tests[{i}]") for i, case_tests in enumerate(tests)]
+    cases = []
+    for i, case_tests in enumerate(tests):
+        snippets = test_snippets(case_tests, f"code_reward: tests[{i}]")
+        cases.append(parse_tests(snippets, f"code_reward: tests[{i}]") if snippets else None)
 
-    def score(completion: str | list[dict[str, Any]], case_tests: list[str] | None) -> float | None:
-        if not case_tests:
+    def score(completion: str | list[dict[str, Any]], plans: list[TestPlan] | None) -> float | None:
+        if not plans:
             return None
-        return run_tests(extract_code(_completion_text(completion)), case_tests, limits).fraction
+        return _run_plans(extract_code(_completion_text(completion)), plans, limits)[0].fraction
 
     with ThreadPoolExecutor(max_workers=min(os.cpu_count() or 1, _MAX_WORKERS)) as pool:
         return list(pool.map(score, completions, cases))
@@ -319,34 +339,105 @@ def _completion_text(completion: str | list[dict[str, Any]]) -> str:
 
 
 class _Reports:
-    """What the child said on its report channel; only lines that start with this run's nonce count."""
+    """What the child said on its report channel, judged as it arrives.
 
-    def __init__(self, nonce: str, total: int) -> None:
-        self._prefix = f"{nonce} ".encode()
-        self._total = total
-        self._pending = b""  # the start of a line the child has not ended yet
-        self.passed: set[int] = set()
+    The report must be, line by line: the layers, how the completion ran (``{"code": "ok"}`` or ``"error"``), then
+    for each test in order ``{"i": i, "r": outcomes}`` with one outcome per hole of that test (or ``{"i": i, "e":
+    why}`` when its imports raised). Each test's outcomes are judged (:func:`~grpo_fast.train.asserts.judge`) as
+    its line arrives. Anything else (a line that does not parse, one out of order or of the wrong length, one past
+    the last test, one longer than a test's values may take) breaks the report, and a broken report fails every
+    test: a child that was taken over gains nothing by writing to the channel.
+    """
+
+    def __init__(self, plans: list[TestPlan]) -> None:
+        self._plans = plans
+        self._pending = bytearray()  # the start of a line the child has not ended yet
         self.layers: tuple[str, ...] = ()
-        self.code_error = False
-        self.done = False
+        self.code: str | None = None  # "ok" or "error", once the child has said
+        self.failures: list[str | None] = []  # per test answered: None if it passed, else why it failed
+        self.broken: str | None = None  # why the report broke protocol
+
+    @property
+    def passed(self) -> int:
+        return sum(failure is None for failure in self.failures)
+
+    @property
+    def done(self) -> bool:
+        """Whether the child has nothing more to say (or nothing more it says counts)."""
+        return (self.broken is not None or self.code == "error"
+                or (self.code == "ok" and len(self.failures) == len(self._plans)))
+
+    def _line_limit(self) -> int:
+        if self.code == "ok" and len(self.failures) < len(self._plans):
+            holes = len(self._plans[len(self.failures)].holes)
+            return plain_data.MAX_VALUE_CHARS + plain_data.LINE_OVERHEAD * (holes + 1)
+        return _MAX_STATUS_LINE
 
     def feed(self, data: bytes) -> None:
-        *lines, pending = (self._pending + data).split(b"\n")
-        self._pending = pending[-_MAX_REPORT_LINE:]  # bounded, whatever the child writes
-        for line in lines:
-            if line.startswith(self._prefix):
-                self._handle(line[len(self._prefix) :].decode("ascii", "replace").split())
+        searched = len(self._pending)
+        self._pending += data
+        while self.broken is None:
+            end = self._pending.find(b"\n", searched)
+            length = len(self._pending) if end < 0 else end
+            if length > self._line_limit():
+                self.broken = f"a line longer than the {self._line_limit()} bytes it may take"
+            if end < 0 or self.broken is not None:
+                return
+            line = bytes(self._pending[:end])
+            del self._pending[: end + 1]
+            searched = 0
+            self._handle(line)
 
-    def _handle(self, words: list[str]) -> None:
-        match words:
-            case ["pass", index] if index.isdigit() and int(index) < self._total:
-                self.passed.add(int(index))
-            case ["layers", names]:
-                self.layers = tuple(names.split(","))
-            case ["code-error"]:
-                self.code_error = True
-            case ["done"]:
-                self.done = True
+    def _handle(self, line: bytes) -> None:
+        try:
+            message = json.loads(line)
+        except (ValueError, RecursionError):
+            self.broken = f"a line that is not JSON ({line[:60]!r})"
+            return
+        if self.done:
+            self.broken = "a line after the last one"
+        elif not self.layers:
+            layers = message.get("layers") if type(message) is dict and len(message) == 1 else None
+            if not (type(layers) is list and layers and all(type(name) is str for name in layers)):
+                self.broken = f"a first line other than the layers ({line[:60]!r})"
+            else:
+                self.layers = tuple(layers)
+        elif self.code is None:
+            if message not in ({"code": "ok"}, {"code": "error"}):
+                self.broken = f"a second line other than how the completion ran ({line[:60]!r})"
+            else:
+                self.code = message["code"]
+        else:
+            self._test(message)
+
+    def _test(self, message: Any) -> None:
+        index = len(self.failures)
+        plan = self._plans[index]
+        if type(message) is not dict or message.get("i") != index or type(message.get("i")) is not int:
+            self.broken = f"test {index}'s line missing or out of order"
+        elif message.keys() == {"i", "e"} and type(message["e"]) is str:
+            self.failures.append(f"its imports raised {message['e'][:200]}")
+        elif message.keys() == {"i", "r"} and type(message["r"]) is list and len(message["r"]) == len(plan.holes):
+            try:
+                values = [_outcome(outcome) for outcome in message["r"]]
+            except (ValueError, RecursionError) as e:
+                self.broken = f"test {index}'s values do not parse: {e}"
+                return
+            self.failures.append(judge(plan, values))
+        else:
+            self.broken = f"test {index}'s line is not {len(plan.holes)} outcomes"
+
+
+def _outcome(outcome: Any) -> tuple[str, Any]:
+    """One hole's outcome as :func:`~grpo_fast.train.asserts.judge` takes it, from its report form."""
+    match outcome:
+        case ["v", tree]:
+            return "value", plain_data.from_tree(tree)
+        case ["x", str(why)]:
+            return "raised", why[:200]
+        case ["n", str(why)]:
+            return "not plain", why[:200]
+    raise ValueError(f"an outcome other than ['v', value], ['x', str] or ['n', str]: {outcome!r:.60}")
 
 
 class _Streams:
@@ -389,16 +480,22 @@ def _run_child(
 ) -> tuple[SandboxResult, tuple[str, ...]]:
     """Run one job in a fresh sandboxed interpreter; returns the result and the layers the child reported.
 
-    ``skip_layers`` (any of ``"namespaces"``, ``"landlock"``, ``"audit-hook"``) leaves layers out, so that tests
-    can check that each of the others holds on its own.
+    ``skip_layers`` (any of ``"namespaces"``, ``"landlock"``, ``"seccomp"``, ``"audit-hook"``) leaves layers out, so
+    that tests can check that each of the others holds on its own.
     """
+    return _run_plans(code, parse_tests(tests, "tests"), limits, skip_layers)
+
+
+def _run_plans(
+    code: str, plans: list[TestPlan], limits: SandboxLimits, skip_layers: frozenset[str] = frozenset()
+) -> tuple[SandboxResult, tuple[str, ...]]:
+    """:func:`_run_child` of tests already read."""
     workdir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     channel_read, channel_write = os.pipe()
     try:
-        nonce = secrets.token_hex(16)
         job_file = os.path.join(workdir, _JOB_FILE)
-        with open(job_file, "w", encoding="utf-8") as f:
-            json.dump({"code": code, "tests": tests, "channel": channel_write, "nonce": nonce,
+        with open(job_file, "w", encoding="utf-8") as f:  # what the child runs: no expected value is in it
+            json.dump({"code": code, "tests": [plan.steps for plan in plans], "channel": channel_write,
                        "rlimits": _rlimits(limits), "disk_bytes": limits.disk_mb << 20,
                        "max_files": limits.max_files, "skip_layers": sorted(skip_layers)}, f)
         try:
@@ -415,7 +512,7 @@ def _run_child(
         finally:
             os.close(channel_write)  # the child holds the only write end now: end of file means it is gone
         with proc:
-            reports = _Reports(nonce, len(tests))
+            reports = _Reports(plans)
             streams = _Streams(proc, channel_read, reports)
             try:
                 stopped = _supervise(proc, streams, reports, limits, workdir)
@@ -426,7 +523,7 @@ def _run_child(
                 while streams.open and (left := deadline - time.monotonic()) > 0:
                     streams.pump(left)
                 streams.close()
-        return _verdict(proc.returncode, stopped, streams, reports, len(tests), limits), reports.layers
+        return _verdict(proc.returncode, stopped, streams, reports, len(plans), limits), reports.layers
     finally:
         os.close(channel_read)
         _remove_tree(workdir)
@@ -516,22 +613,27 @@ def _verdict(
     returncode: int, stopped: str | None, streams: _Streams, reports: _Reports, total: int, limits: SandboxLimits
 ) -> SandboxResult:
     """Turn what the run left behind into a result; the checks go from the most to the least telling."""
-    passed = len(reports.passed)
+    passed = reports.passed
     if streams.output_bytes > limits.max_output_bytes:
         status, reason = "output_limit", f"the output passed {limits.max_output_bytes} bytes"
-    elif stopped == "disk_limit":  # also when the child reported done first: a run past the budget scores nothing
+    elif stopped == "disk_limit":  # also when the child had answered every test: a run past the budget scores nothing
         status, reason = "disk_limit", (f"the directory passed {limits.max_files} files or {limits.disk_mb} MiB")
         passed = 0
+    elif reports.broken is not None:
+        status, reason = "error", f"the sandbox's report broke protocol ({reports.broken}): every test fails"
+        passed = 0
     elif reports.done:
-        status, reason = ("error" if reports.code_error else "ok" if passed == total else "failed"), ""
+        status, reason = ("error" if reports.code == "error" else "ok" if passed == total else "failed"), ""
     elif stopped == "timeout":
         status, reason = "timeout", f"still running after {limits.timeout_s:g} s"
     elif returncode < 0:
         status, reason = "killed", f"killed by {_signal_name(-returncode)}"
     else:
-        status, reason = "error", f"the interpreter exited with code {returncode} before running every test"
+        status, reason = "error", f"the interpreter exited with code {returncode} before answering every test"
+    failed = [f"test {i} failed: {why}"[:300] for i, why in enumerate(reports.failures) if why is not None]
     tail = streams.stderr_tail.decode("utf-8", "replace").strip()[-_DETAIL_CHARS:]
-    return SandboxResult(passed, total, status, "\n".join(part for part in (reason, tail) if part))
+    parts = (reason, *failed[:_DETAIL_FAILURES], tail)
+    return SandboxResult(passed, total, status, "\n".join(part for part in parts if part))
 
 
 def _signal_name(signum: int) -> str:
