@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,8 +113,10 @@ def test_a_failed_start_does_not_block_the_rerun(tmp_path, capsys):
     rewards.write_text("def broken(prompts, completions, **kw):\n    raise ValueError('broken reward')\n\n"
                        "def fine(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
     out = tmp_path / "run"
-    line = _one_line_error(capsys, ["train", *TINY, "--rewards", f"{rewards}:broken", "--output-dir", str(out)])
-    assert "broken reward" in line
+    line = _one_line_error(capsys, ["train", *TINY, "--rewards", f"{rewards}:broken", "--output-dir", str(out)],
+                           code=1)  # the function's failure, not an option's
+    assert f"reward_func broken ({rewards}:2) raised ValueError: broken reward in the evaluation before training" \
+        in line
     assert not (out / "metrics.jsonl").exists() and not (out / "config.json").exists()
     assert main(["train", *TINY, "--rewards", f"{rewards}:fine", "--output-dir", str(out)]) == 0
     assert [s["step"] for s in read_steps(out / "metrics.jsonl")] == [1]
@@ -278,3 +281,161 @@ def test_a_stop_with_nothing_saved_says_to_start_again(tmp_path, capsys, monkeyp
     assert err.endswith(f"nothing to resume: start again with: grpo-fast train {' '.join(TINY)} --output-dir {out} "
                         "--overwrite"), err
     assert "--resume" not in err
+
+
+# ------------------------------------------------------------------------------------------------ first contact
+
+
+def _last_error_line(capsys, argv, code, command="train") -> str:
+    """main(argv) exits with ``code`` and stderr holds one error line (the last), no traceback."""
+    assert main(argv) == code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert not any("Traceback" in line for line in err), err
+    errors = [line for line in err if line.startswith(f"grpo-fast {command}: error: ")]
+    assert len(errors) == 1 and errors[0] == err[-1], err
+    return errors[0]
+
+
+@pytest.mark.parametrize("tokenizer", ["none", "config only"])
+def test_a_model_directory_without_a_tokenizer_is_one_line(tokenizer, tmp_path, capsys):
+    """A config.json and weights but no tokenizer: AutoTokenizer would build an empty one that encodes every prompt
+    to no tokens (a 60-frame reshape error later); train and eval name the directory instead."""
+    from grpo_fast.train.tasks import tiny_model, tiny_tokenizer
+
+    model_dir = tmp_path / "model"
+    tiny_model(tiny_tokenizer(), seed=0).save_pretrained(model_dir)
+    if tokenizer == "config only":  # a tokenizer_config.json naming a class, and no vocabulary beside it
+        (model_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "Qwen2Tokenizer"}))
+    missing = {"none": f"{model_dir} holds no tokenizer (no tokenizer.json, tokenizer_config.json, tokenizer.model "
+                       "or vocab file)",
+               "config only": f"the tokenizer in {model_dir} has no vocabulary (Qwen2Tokenizer encodes "}[tokenizer]
+    line = _last_error_line(capsys, ["train", *TINY, "--model", str(model_dir), "--output-dir",
+                                     str(tmp_path / "run")], 2)
+    assert line.startswith(f"grpo-fast train: error: --model: {missing}"), line
+    assert line.endswith(f"save the model's tokenizer there with tokenizer.save_pretrained('{model_dir}')")
+    line = _last_error_line(capsys, ["eval", "--model", str(model_dir), "--dataset", "builtin:digits", "--output",
+                                     str(tmp_path / "eval.json")], 2, command="eval")
+    assert missing in line
+
+
+REWARDS = '''calls = 0
+
+
+def flaky(prompts, completions, **kwargs):
+    global calls
+    calls += 1  # the before-evaluation is call 1, step s is call s + 1
+    if calls == FAIL_AT:
+        return [float(kwargs["answer_typo"]) for _ in completions]
+    return [float(len(c)) for c in completions]
+'''
+
+
+def _flaky_rewards(tmp_path, fail_at: int) -> str:
+    path = tmp_path / f"rewards_{fail_at}.py"  # one module per file: the import is cached by its path
+    path.write_text(f"FAIL_AT = {fail_at}\n" + REWARDS)
+    return f"{path}:flaky"
+
+
+def _raising_line(spec: str) -> str:
+    """``file:line`` of the line that raises in ``_flaky_rewards``' file."""
+    file = spec.rpartition(":")[0]
+    lines = Path(file).read_text().splitlines()
+    return f"{file}:{next(i for i, line in enumerate(lines, 1) if 'answer_typo' in line)}"
+
+
+def test_a_reward_that_raises_mid_run_is_one_line_and_the_run_resumes(tmp_path, capsys):
+    """KeyError in step 3: one line naming the function, its file and line, the exception and the step; step 2 is
+    saved, and the printed command resumes it to the numbers of a run that never failed."""
+    spec = _flaky_rewards(tmp_path, fail_at=4)
+    out = tmp_path / "run"
+    argv = ["train", *TINY[2:], "--steps", "4", "--rewards", spec, "--output-dir", str(out)]
+    line = _last_error_line(capsys, argv, 1)
+    saved = ckpt.checkpoint_path(out / "checkpoints", 2)
+    assert line == (f"grpo-fast train: error: reward_func flaky ({_raising_line(spec)}) raised KeyError: "
+                    f"'answer_typo' at step 3; resume from {saved}: fix the function, then run: "
+                    f"{resume_command(argv)} (--debug: the traceback)")
+    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [2]
+    # the module's counter is past the failure now: the same command with --resume runs steps 3 and 4
+    assert main(resume_command(argv).split()[1:]) == 0
+    clean = tmp_path / "clean"
+    assert main(["train", *TINY[2:], "--steps", "4", "--rewards", _flaky_rewards(tmp_path, fail_at=0),
+                 "--output-dir", str(clean)]) == 0
+
+    def steps(run):
+        return [{k: v for k, v in s.items() if not k.startswith("time_")} for s in read_steps(run / "metrics.jsonl")]
+
+    assert [s["step"] for s in steps(out)] == [1, 2, 3, 4] and steps(clean)[2]["loss"] != 0
+    assert steps(out) == steps(clean)  # sampler and RNG as after step 2: the same steps 3 and 4
+
+
+def test_a_reward_that_raises_in_step_1_saves_nothing_and_the_rerun_needs_no_overwrite(tmp_path, capsys):
+    spec = _flaky_rewards(tmp_path, fail_at=2)
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--rewards", spec, "--output-dir", str(out)]
+    line = _last_error_line(capsys, argv, 1)
+    assert "raised KeyError: 'answer_typo' at step 1; nothing was trained or saved: fix the function and run the " \
+           "same command again" in line
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert main(argv) == 0  # the counter is past the failure; the same command, no --overwrite
+
+
+def test_a_reward_that_raises_in_the_evaluation_and_debug_shows_the_traceback(tmp_path, capsys):
+    spec = _flaky_rewards(tmp_path, fail_at=1)
+    argv = ["train", *TINY, "--rewards", spec, "--output-dir", str(tmp_path / "run"), "--debug"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"grpo-fast train: error: reward_func flaky ({_raising_line(spec)}) ") and err[-1].endswith(
+        "raised KeyError: 'answer_typo' in the evaluation before training; nothing was trained or saved: fix the "
+        "function and run the same command again")
+    assert err[0] == "Traceback (most recent call last):" and err[-2] == "KeyError: 'answer_typo'"
+    file, line = _raising_line(spec).rsplit(":", 1)
+    assert f'File "{file}", line {line}, in flaky' in "\n".join(err)
+
+
+def test_a_reward_that_scores_nothing_reads_n_a(tmp_path, capsys):
+    rewards = tmp_path / "unscored.py"
+    rewards.write_text("def unscored(prompts, completions, **kwargs):\n    return [None] * len(completions)\n")
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--rewards", f"{rewards}:unscored", "--output-dir", str(out)]) == 0
+    assert "held-out reward n/a -> n/a (n/a: no held-out prompt was scored); " in capsys.readouterr().out
+    assert json.loads((out / "metrics.jsonl").read_text().splitlines()[0])["eval_before"] is None
+
+
+@pytest.mark.parametrize("suffix, text, flag, expected", [
+    (".toml", "[loss]\nepsilon = -1.0\n", [], "GRPOLossConfig.epsilon must be >= 0.0, got -1.0"),
+    (".yaml", "loss:\n  loss_type: foo\n", [], "GRPOLossConfig.loss_type must be one of "),
+    (".toml", "steps = 0\n", [], "TrainConfig.steps must be an int >= 1, got 0"),
+    (".toml", "[loss]\ntemperature = 0.5\n", [], "TrainConfig.loss.temperature is set by the trainer"),
+    (".toml", "[loss]\nepsilon = -1.0\n", ["--loss.epsilon", "-2"], "--loss.epsilon must be >= 0.0, got -2.0"),
+])
+def test_a_bad_value_in_a_config_file_names_the_file(suffix, text, flag, expected, tmp_path, capsys):
+    """Values the loss's or the trainer's own checks refuse name the file they came from; a flag over the file's
+    value names the flag."""
+    config = tmp_path / f"c{suffix}"
+    config.write_text(text)
+    line = _last_error_line(capsys, ["train", "--config", str(config), *flag, "--output-dir",
+                                     str(tmp_path / "run")], 2)
+    prefix = "grpo-fast train: error: " + ("" if flag else f"--config {config}: ")
+    assert line.startswith(prefix + expected), line
+
+
+def test_the_default_run_prints_no_duplicate_line_no_library_bar_and_logs_above_the_bar(tmp_path):
+    """A real process, as a user runs it (progress bar on, a local model that loads weights): the shared-prefix line
+    once, no transformers bars, and every log line on a line of its own (not after the progress bar's text)."""
+    import re
+
+    from train_helpers import save_local_model
+
+    model = save_local_model(tmp_path / "model", "qwen2", None)
+    proc = subprocess.run([sys.executable, "-m", "grpo_fast", "train", *TINY[:-4], "--steps", "2", "--model", model,
+                           "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = proc.stderr
+    assert err.count("shared prefix: attention implementation") == 1, err
+    assert "Loading weights" not in err and "Writing model shards" not in err, err
+    assert "grpo-fast:" in err  # the bar is there
+    logged = [line for line in err.split("\n") if "grpo_fast.train:" in line]
+    assert any("shared-prefix forward on at step 1" in line for line in logged), err
+    for line in logged:  # what the terminal shows of a line is what follows its last carriage return
+        assert re.match(r"\d\d:\d\d:\d\d grpo_fast\.train: ", line.rsplit("\r", 1)[-1]), repr(line)

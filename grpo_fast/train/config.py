@@ -326,6 +326,7 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
     ``file_name``."""
     values: dict = {}
     loss: dict = {}
+    from_file: set[str] = set()  # the options whose value is the file's (a flag over one takes it back)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     loss_known = {f.name for f in dataclasses.fields(GRPOLossConfig)}
 
@@ -335,6 +336,7 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
             if key not in loss_known:
                 raise ValueError(_unknown(f"{source}: unknown loss option {key!r}", key, loss_known))
             loss[key] = _parse_value(GRPOLossConfig, key, raw)
+            (from_file.add if source == file_name else from_file.discard)(name)
         elif name == "loss":
             if not isinstance(raw, dict):
                 raise ValueError(f"{source}: loss must be a table of loss options ([loss] in TOML, a mapping in "
@@ -343,6 +345,7 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
                 put(f"loss.{k}", v, source)
         elif name in known and name != "loss":
             values[name] = _parse_value(TrainConfig, name, raw)
+            (from_file.add if source == file_name else from_file.discard)(name)
         else:
             raise ValueError(_unknown(f"{source}: unknown option {name!r}", name, known | {"loss.*"}))
 
@@ -355,9 +358,21 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
             raise ValueError(str(e) if str(e).startswith(file_name) else f"{file_name}: {e}") from None
     for name, raw in (overrides or {}).items():
         put(name.replace("-", "_"), raw, "command line")
-    if loss:
-        values["loss"] = dataclasses.replace(DEFAULT_LOSS, **loss)
-    return TrainConfig(**values)
+    try:  # the values' own checks (GRPOLossConfig's, TrainConfig.validate): one on a file's value names the file
+        if loss:
+            values["loss"] = dataclasses.replace(DEFAULT_LOSS, **loss)
+        return TrainConfig(**values)
+    except ValueError as e:
+        named = {_option_name(*m) for m in re.findall(r"\b(TrainConfig|GRPOLossConfig)\.(\w+(?:\.\w+)?)", str(e))}
+        if named & from_file:
+            raise ValueError(f"{file_name}: {e}") from None
+        raise
+
+
+def _option_name(owner: str, field: str) -> str:
+    """The option a message's ``GRPOLossConfig.beta`` / ``TrainConfig.loss.beta`` / ``TrainConfig.steps`` names:
+    ``loss.beta``, ``loss.beta``, ``steps``."""
+    return f"loss.{field}" if owner == "GRPOLossConfig" else field
 
 
 def _unknown(message: str, name: str, known) -> str:

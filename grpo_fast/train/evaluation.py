@@ -188,7 +188,8 @@ def result_table(result: dict) -> str:
         ("model", result["model"]), ("dataset", f"{result['dataset']} ({result['prompts']} prompts)"),
         ("rewards", ", ".join(f"{n} x {w:g}" for n, w in zip(result["rewards"], result["reward_weights"]))),
         ("completions per prompt", f"{k} ({decoding}, at most {result['max_new_tokens']} new tokens)"),
-        (f"mean@{k} (mean reward)", f"{result[f'mean@{k}']:.4f}"),
+        (f"mean@{k} (mean reward)", "n/a (no completion was scored)" if result[f"mean@{k}"] is None
+         else f"{result[f'mean@{k}']:.4f}"),
         (f"pass@{k} (reward >= {result['pass_threshold']:g})", f"{result[f'pass@{k}']:.4f}"),
     ]
     width = max(len(a) for a, _ in rows)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -53,21 +54,41 @@ def _has_weights(path: Path) -> bool:
     return any(path.glob("*.safetensors")) or any(path.glob("*.bin")) or any(path.glob("*.safetensors.index.json"))
 
 
-def load_tokenizer(path: str | Path):
+# what a saved tokenizer leaves in its directory (tokenizer.json, tokenizer_config.json, tokenizer.model,
+# vocab.json, vocab.txt, merges.txt, spiece.model, *.tiktoken): a directory with none of them holds no tokenizer
+_TOKENIZER_FILE = re.compile(r"(tokenizer|vocab|merges|spiece).*|.*\.tiktoken")
+_PROBE_TEXT = "max 3 8 1 6= Hello"  # any tokenizer with a vocabulary encodes it to at least one token
+
+
+def load_tokenizer(path: str | Path, option: str = "tokenizer"):
     """The tokenizer saved in directory ``path``, left-padded: ``AutoTokenizer``, except where the directory's
     tokenizer_config.json names the generic fast tokenizer (``TokenizersBackend`` / ``PreTrainedTokenizerFast``, as
     the tiny model's does), which is loaded as such. transformers 5's ``AutoTokenizer`` maps every ``qwen2``
     directory to ``Qwen2Tokenizer``, which rebuilds a byte-level BPE around the vocabulary and drops the tiny
-    character tokenizer's spaces."""
+    character tokenizer's spaces.
+
+    A directory without a tokenizer is a ``ValueError`` that starts with ``option`` and names the directory:
+    ``AutoTokenizer`` would build an empty tokenizer from its config.json alone, which encodes every prompt to no
+    tokens at all."""
     import json
 
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    config_file = Path(path) / "tokenizer_config.json"
+    path = Path(path)
+    hint = f"save the model's tokenizer there with tokenizer.save_pretrained({str(path)!r})"
+    if not any(_TOKENIZER_FILE.fullmatch(f.name) for f in path.iterdir()):
+        raise ValueError(f"{option}: {path} holds no tokenizer (no tokenizer.json, tokenizer_config.json, "
+                         f"tokenizer.model or vocab file); {hint}")
+    config_file = path / "tokenizer_config.json"
     declared = json.loads(config_file.read_text()).get("tokenizer_class") if config_file.is_file() else None
     if declared in ("TokenizersBackend", "PreTrainedTokenizerFast"):
-        return PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
-    return AutoTokenizer.from_pretrained(path, padding_side="left")
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path, padding_side="left")
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if not tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"{option}: the tokenizer in {path} has no vocabulary ({type(tokenizer).__name__} encodes "
+                         f"{_PROBE_TEXT!r} to no tokens); {hint}")
+    return tokenizer
 
 
 def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_dtype: torch.dtype):
@@ -84,7 +105,8 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
                 f"TrainConfig.model: expected 'tiny' or a local model directory, got {config.model!r} (not a "
                 "directory; grpo-fast never downloads models: save one with save_pretrained first)"
             )
-        tokenizer = load_tokenizer(config.tokenizer or config.model)
+        tokenizer = load_tokenizer(config.tokenizer or config.model,
+                                   "TrainConfig.tokenizer" if config.tokenizer else "TrainConfig.model")
         if _has_weights(path):
             model = AutoModelForCausalLM.from_pretrained(config.model, dtype=storage_dtype)
         else:  # a config.json alone: the architecture with fresh weights from the seed

@@ -324,6 +324,49 @@ def _as_scores(fn: RewardFn, values: Any, n: int) -> list[float]:
     return scores
 
 
+class RewardError(ValueError):
+    """A reward function raised. One line: the function, where (the line of its own file the exception came
+    through, else where it is defined) and the exception, ``reward_func my_reward (rewards.py:12) raised KeyError:
+    'answer'``; the exception itself, with its traceback, is ``error`` (and ``__cause__``). The trainer sets
+    ``when`` (``"at step 3"``), which ends the message, and ``checkpoint``, the one it saved or found to resume
+    from (None: none)."""
+
+    def __init__(self, fn: RewardFn, error: Exception):
+        self.function, self.location, self.error = reward_name(fn), _location(fn, error), error
+        self.when: str | None = None
+        self.checkpoint: Path | None = None
+        lines = str(error).strip().splitlines()
+        told = f": {lines[0]}{' ...' if len(lines) > 1 else ''}" if lines else ""
+        super().__init__(f"reward_func {self.function} ({self.location}) raised {type(error).__name__}{told}")
+
+    def __str__(self) -> str:
+        return super().__str__() + (f" {self.when}" if self.when else "")
+
+
+def _location(fn: RewardFn, error: Exception) -> str:
+    """``file:line`` of ``fn`` for a message: the last line of its own file in ``error``'s traceback (where it
+    raised, or called what raised), else the line that defines it; the file relative to the working directory
+    when it is below it."""
+    while hasattr(fn, "func") and not hasattr(fn, "__code__"):  # functools.partial
+        fn = fn.func
+    code = getattr(inspect.unwrap(fn), "__code__", None) or getattr(getattr(type(fn), "__call__", None),
+                                                                     "__code__", None)
+    if code is None:
+        return "unknown file"
+    line = code.co_firstlineno
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == code.co_filename:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    path = Path(code.co_filename)
+    try:
+        path = path.resolve().relative_to(Path.cwd().resolve())
+    except ValueError:  # not below the working directory: the full path
+        pass
+    return f"{path}:{line}"
+
+
 def compute_rewards(
     funcs: Sequence[RewardFn], prompts: list, completions: list, columns: dict[str, list]
 ) -> torch.Tensor:
@@ -331,7 +374,8 @@ def compute_rewards(
     returned ``None``.
 
     Each function is called as ``fn(prompts=prompts, completions=completions, **columns)``; ``columns`` holds the
-    other dataset columns, one value per completion.
+    other dataset columns, one value per completion. An exception from a function is re-raised as
+    :class:`RewardError`, which names it.
     """
     n = len(completions)
     if len(prompts) != n:
@@ -343,6 +387,9 @@ def compute_rewards(
             raise ValueError(f"column {column!r} has {len(values)} values for {n} completions")
     rewards = torch.empty(n, len(funcs), dtype=torch.float32)
     for k, fn in enumerate(funcs):
-        values = fn(prompts=prompts, completions=completions, **columns)
+        try:
+            values = fn(prompts=prompts, completions=completions, **columns)
+        except Exception as e:  # KeyboardInterrupt and SystemExit are not a reward's failure
+            raise RewardError(fn, e) from e
         rewards[:, k] = torch.tensor(_as_scores(fn, values, n), dtype=torch.float32)
     return rewards

@@ -40,7 +40,7 @@ from grpo_fast.train.model import (
     resolve_device,
     resolve_dtype,
 )
-from grpo_fast.train.rewards import compute_rewards, load_reward, reward_metrics, reward_name
+from grpo_fast.train.rewards import RewardError, compute_rewards, load_reward, reward_metrics, reward_name
 from grpo_fast.train.rollout import Rollout, SamplingParams, concat_rollouts, generate
 from grpo_fast.train.tasks import TASK_SIZE, builtin_records
 
@@ -467,16 +467,16 @@ def _accumulate(d: dict, key: str, value: float) -> None:
 @torch.no_grad()
 def evaluate(run: Run, samples: int = 1, params: SamplingParams | None = None,
              scores: list[torch.Tensor] | None = None) -> float | None:
-    """Mean weighted reward of the held-out prompts' completions (None without any prompts): one greedy completion
-    per prompt by default (the run's before/after evaluation), or ``samples`` completions per prompt drawn with
-    ``params``. ``scores``, when given, receives one ``[samples]`` tensor of weighted rewards per prompt this rank
+    """Mean weighted reward of the held-out prompts' completions (None without any prompts, or when no reward
+    function scored any of them: every one returned None): one greedy completion per prompt by default (the run's
+    before/after evaluation), or ``samples`` completions per prompt drawn with ``params``. ``scores``, when given, receives one ``[samples]`` tensor of weighted rewards per prompt this rank
     scored, in order (``grpo-fast eval``'s pass@k)."""
     if not run.eval_records:
         return None
     params = params or SamplingParams(max_new_tokens=run.config.max_new_tokens, temperature=0.0)
     world = run.world
     mine = run.eval_records[world.rank :: world.size]  # greedy: any split gives the same completions
-    total = 0.0
+    total, scored = 0.0, 0
     chunk = max(1, run.config.micro_batch_size // samples)  # prompts per generation call
     # every rank makes the same number of generation calls (FSDP2 gathers weights in each); surplus calls are empty
     calls = math.ceil(math.ceil(len(run.eval_records) / world.size) / chunk)
@@ -486,11 +486,17 @@ def evaluate(run: Run, samples: int = 1, params: SamplingParams | None = None,
         _, completions = rollout(run, part or run.eval_records[:1], samples, params,
                                  first_chunk=world.rank * calls + i)
         if part:
-            rewards = weighted_reward(run, score(run, part, completions, samples))
+            per_function = score(run, part, completions, samples)
+            rewards = weighted_reward(run, per_function)
             total += float(rewards.sum())
+            scored += int((~per_function.isnan().all(dim=1)).sum())
             if scores is not None:
                 scores.extend(rewards.view(len(part), samples))
-    total, = dist_.sum_across([total], world, run.device)
+    total, scored = dist_.sum_across([total, float(scored)], world, run.device)
+    if not scored:
+        logger.warning("held-out evaluation: no reward function scored any of the %d completions (all returned None)",
+                       len(run.eval_records) * samples)
+        return None
     return total / (len(run.eval_records) * samples)
 
 
@@ -651,8 +657,10 @@ class Summary:
         def fmt(x):
             return "n/a" if x is None else f"{x:.3f}"
 
+        unscored = " (n/a: no held-out prompt was scored)" if None in (self.eval_before, self.eval_after) else ""
         return (f"grpo-fast: {self.steps} steps in {self.seconds:.0f} s; held-out reward {fmt(self.eval_before)} -> "
-                f"{fmt(self.eval_after)}; {self.skipped_updates} skipped updates; outputs in {self.output_dir}")
+                f"{fmt(self.eval_after)}{unscored}; {self.skipped_updates} skipped updates; outputs in "
+                f"{self.output_dir}")
 
 
 @dataclass
@@ -752,6 +760,7 @@ def fit(prepared: Prepared) -> Summary:
     try:
         with _StopOnInterrupt(same_press_s=5.0 if run.world.distributed else 0.0) as stop:
             while run.step < config.steps:
+                before_step = run.sampler.state_dict(), ckpt.rng_state()  # what a failed step's checkpoint restores
                 metrics = train_step(run)
                 if main and (run.step % config.log_every == 0 or run.step == config.steps):
                     log.write(metrics)
@@ -769,6 +778,10 @@ def fit(prepared: Prepared) -> Summary:
                                           "the after-evaluation was not run", run.step, path, clean=True)
     except TrainingInterrupted:
         raise
+    except RewardError as e:  # before the step's update: the model and optimizer are those of the last step
+        e.when = f"at step {run.step + 1}"
+        e.checkpoint = _save_before_failed_step(run, ckpt_dir, *before_step)
+        raise
     except KeyboardInterrupt:
         found = ckpt.list_checkpoints(ckpt_dir)  # (a save cut short left only a temporary, removed on resume)
         newest = found[-1][1] if found else None
@@ -784,6 +797,9 @@ def fit(prepared: Prepared) -> Summary:
     except KeyboardInterrupt:
         raise TrainingInterrupted(f"stopped by Ctrl-C in the after-evaluation; all {run.step} steps are saved in "
                                   f"{path}", run.step, path, clean=False) from None
+    except RewardError as e:
+        e.when, e.checkpoint = "in the evaluation after training", path
+        raise
     save_trained_model(run, prepared.out_dir / MODEL_DIR)
     if main:
         log.write_footer({"eval_after": eval_after})
@@ -791,6 +807,19 @@ def fit(prepared: Prepared) -> Summary:
             plot_metrics(prepared.out_dir / "metrics.jsonl", prepared.out_dir / "reward_kl.png")
     return Summary(run.step, prepared.eval_before, eval_after, run.skipped_updates, prepared.out_dir,
                    time.perf_counter() - prepared.started)
+
+
+def _save_before_failed_step(run: Run, ckpt_dir: Path, sampler_state: dict, rng_state: dict) -> Path | None:
+    """The checkpoint ``--resume`` continues from after a step that failed before its update: the last completed
+    step, with the sampler and RNG states from before the failed step (saved now unless a checkpoint of that step
+    exists; None before any step). Under torchrun the other ranks may not have failed: nothing is saved, the newest
+    checkpoint is named."""
+    found = ckpt.list_checkpoints(ckpt_dir)
+    if run.world.distributed or run.step == 0 or (found and found[-1][0] == run.step):
+        return found[-1][1] if found else None
+    run.sampler.load_state_dict(sampler_state)
+    ckpt.set_rng_state(rng_state)
+    return save_checkpoint(run, ckpt_dir)
 
 
 def save_trained_model(run: Run, directory: Path) -> None:
