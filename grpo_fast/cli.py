@@ -260,7 +260,7 @@ and after training: the same prompt rendering (chat template, --system-prompt), 
 Greedy decoding by default: on a builtin task's held-out split this reproduces the run's eval_after. --samples K
 samples K completions per prompt at --temperature (default 1.0) and reports mean@K (mean reward over all
 completions) and pass@K (share of prompts with a completion scoring >= --pass-threshold). Prints a table and writes
-every prompt's rewards to --output (JSON).
+every prompt's rewards to --output (JSON; default: eval.json inside the --model directory).
 
   grpo-fast eval --model runs/grpo-fast/model --dataset builtin:digits
   grpo-fast eval --model out/model --dataset test.jsonl --rewards math --samples 8 --temperature 0.7
@@ -305,7 +305,8 @@ def _eval_parser(sub) -> None:
     add("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     add("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     add("--seed", metavar="N", default="0", help="sampling seed (default 0)")
-    add("--output", metavar="FILE", default="eval.json", help="JSON result file, replaced (default: eval.json)")
+    add("--output", metavar="FILE", default=None, help="JSON result file, replaced (default: eval.json inside the "
+        "--model directory)")
 
 
 def _eval_options(args: argparse.Namespace):
@@ -347,13 +348,16 @@ def _model_command(args: argparse.Namespace) -> int:
             out = export_checkpoint(args.checkpoint, args.out_dir, merge_lora=args.merge_lora)
             print(f"grpo-fast export: {args.checkpoint} -> {out}")
             return 0
-        from grpo_fast.train.evaluation import evaluate_model, result_table
+        from grpo_fast.train.checkpoint import check_writable
+        from grpo_fast.train.evaluation import RESULT_FILE, evaluate_model, result_table
 
         options = _eval_options(args)
-        output = Path(args.output)
+        options.check()  # --model first: the default --output is inside it
+        output = Path(args.output) if args.output else Path(options.model) / RESULT_FILE
         if output.is_dir():
             raise ValueError(f"--output: expected a file path, got the directory {str(output)!r}")
         result = evaluate_model(options)
+        check_writable(output.parent, "--output" if args.output else "--output (default: inside --model)")
     except _INPUT_ERRORS as e:
         print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -365,6 +369,42 @@ def _model_command(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+CONVERT_DESCRIPTION = """\
+Re-save a checkpoint of an older grpo-fast in the current format, which holds tensors and plain values only.
+
+Checkpoints are read without unpickling anything else (a pickle can run code), so --resume and grpo-fast export
+refuse a checkpoint of an older grpo-fast, whose numpy RNG state is pickled as a numpy array. Converting unpickles
+OLD in full, running any code it holds: --trust says OLD is a checkpoint you made or otherwise trust. NEW may be
+OLD (converted in place, atomically); an FSDP2 checkpoint-*.dcp directory is converted whole.
+"""
+
+
+def _convert_parser(sub) -> None:
+    p = sub.add_parser("convert-checkpoint", help="re-save an older grpo-fast checkpoint in the current format "
+                                                  "(unpickles it in full: --trust)",
+                       usage="grpo-fast convert-checkpoint OLD NEW --trust", description=CONVERT_DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("old", metavar="OLD", help="checkpoint-*.pt file or checkpoint-*.dcp directory")
+    p.add_argument("new", metavar="NEW", help="the converted checkpoint to write (OLD again: in place)")
+    p.add_argument("--trust", action="store_true", help="unpickle OLD in full: it runs any code OLD holds")
+    p.set_defaults(run=_convert)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from grpo_fast.train.checkpoint import convert
+
+    try:
+        if not args.trust:
+            raise ValueError("--trust is required: converting unpickles OLD in full, which runs any code it holds; "
+                             "pass --trust for a checkpoint you made or otherwise trust")
+        new = convert(args.old, args.new)
+    except _INPUT_ERRORS as e:
+        print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    print(f"grpo-fast {args.command}: {args.old} -> {new}")
+    return 0
+
+
     argv = sys.argv[1:] if argv is None else list(argv)
     code = _parsed_elsewhere(argv)
     if code is not None:
@@ -375,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     _export_parser(sub)
     _eval_parser(sub)
     _elsewhere_parsers(sub)
+    _convert_parser(sub)
     _doctor_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's parser says it: its prog, and the nearest of its own options

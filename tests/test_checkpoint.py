@@ -23,7 +23,7 @@ STEPS = 6
 
 def _final_params(out_dir):
     _, path = ckpt.list_checkpoints(out_dir / "checkpoints")[-1]
-    return torch.load(path, weights_only=False)["model"]
+    return ckpt.read_state(path)["model"]
 
 
 def _config_kwargs(tmp_path, name, **kw):
@@ -42,7 +42,7 @@ def test_save_atomic_leaves_no_partial_file(tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt.os, "replace", boom)
     with pytest.raises(OSError, match="disk full"):  # the failure reaches the caller
         ckpt.save_atomic({"a": torch.zeros(3)}, path)
-    assert torch.equal(torch.load(path)["a"], torch.ones(3))  # the old checkpoint is intact
+    assert torch.equal(ckpt.load(path)["a"], torch.ones(3))  # the old checkpoint is intact
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # and no temporary is left
 
 
@@ -100,9 +100,28 @@ def test_resume_after_a_kill_in_the_middle_of_a_save_matches_an_uninterrupted_ru
     assert events.count("start") == 1 and events.count("end") == 1
 
 
-def test_resume_without_a_checkpoint_starts_fresh(tmp_path):
-    summary = train(small_config(tmp_path, steps=1, resume=True))
-    assert summary.steps == 1
+def test_resume_without_a_checkpoint_is_refused(tmp_path):
+    """As TRL's resume_from_checkpoint=True: --resume with nothing to resume is an error, not a fresh start."""
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match=rf"^--resume: nothing to resume \({out} does not exist\); start the run "
+                                         r"without --resume$"):
+        train(small_config(tmp_path, steps=1, resume=True))
+    assert not out.exists()
+    out.mkdir()
+    with pytest.raises(ValueError, match=rf"^--resume: nothing to resume \(no checkpoint in {out / 'checkpoints'}\); "
+                                         r"start the run without --resume$"):
+        train(small_config(tmp_path, steps=1, resume=True))
+    train(small_config(tmp_path, steps=1, save_every=0, keep_checkpoints=1))
+    for _, path in ckpt.list_checkpoints(out / "checkpoints"):
+        path.unlink()  # a run with steps but no checkpoint left: only --overwrite starts again
+    with pytest.raises(ValueError, match=r"\); start over in it with --overwrite instead$"):
+        train(small_config(tmp_path, steps=1, resume=True))
+
+
+def test_resume_and_overwrite_together_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"^TrainConfig.resume and TrainConfig.overwrite exclude each other .*; pass "
+                                         r"one, got both$"):
+        small_config(tmp_path, resume=True, overwrite=True)
 
 
 def test_resume_with_other_options_is_refused(tmp_path):
@@ -117,7 +136,8 @@ def _draws() -> list:
     """One draw from every global generator a step could use (CUDA's where there is one)."""
     import numpy as np
 
-    out = [random.random(), float(np.random.random()), float(torch.rand(()))]
+    out = [random.random(), random.gauss(0, 1), float(np.random.random()), float(np.random.standard_normal()),
+           float(torch.rand(()))]
     if torch.cuda.is_available():
         out += [float(torch.rand((), device=f"cuda:{i}")) for i in range(torch.cuda.device_count())]
     return out
@@ -127,12 +147,16 @@ def test_rng_state_round_trip_through_a_checkpoint_file(tmp_path):
     pytest.importorskip("numpy")
     random.seed(1)
     torch.manual_seed(1)
-    __import__("numpy").random.seed(1)
+    np = __import__("numpy")
+    np.random.seed(1)
+    random.gauss(0, 1), np.random.standard_normal()  # each now holds the second normal of a pair, saved with it
+    assert random.getstate()[2] is not None and np.random.get_state()[3] == 1
     path = tmp_path / "rng.pt"
     ckpt.save_atomic({"rng": ckpt.rng_state()}, path)
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(path) == []  # tensors and numbers: no numpy
     expected = _draws()
     assert _draws() != expected  # the generators moved on: each draw is new
-    ckpt.set_rng_state(torch.load(path, weights_only=False)["rng"])
+    ckpt.set_rng_state(ckpt.load(path)["rng"])
     assert _draws() == expected
     assert {"python", "numpy", "torch"} <= ckpt.rng_state().keys()
 

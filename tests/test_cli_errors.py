@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_helpers import small_config
+from train_helpers import small_config, unwritable_path
 
 from grpo_fast.cli import main, resume_command
 from grpo_fast.train import checkpoint as ckpt
@@ -33,15 +33,6 @@ def _one_line_error(capsys, argv, code=2) -> str:
     return errors[0]
 
 
-def _unwritable(tmp_path) -> str:
-    if os.geteuid() != 0:
-        ro = tmp_path / "read-only"
-        ro.mkdir()
-        ro.chmod(0o555)
-        return str(ro / "run")
-    return "/proc/grpo-fast-no-such-dir"  # root writes through permissions; /proc takes no new directories
-
-
 @pytest.mark.parametrize("case", ["device", "impl", "weights", "toml", "yaml", "file", "unwritable", "empty-dir",
                                   "rewards-ints", "loss-int", "weights-strings"])
 def test_bad_input_is_one_line(case, tmp_path, capsys, monkeypatch):
@@ -59,7 +50,7 @@ def test_bad_input_is_one_line(case, tmp_path, capsys, monkeypatch):
         "toml": (["--config", str(toml)], f"--config: {toml} is not valid TOML: "),
         "yaml": (["--config", str(yaml)], f"--config: {yaml} is not valid YAML at line 2, column 3: expected ','"),
         "file": (["--output-dir", str(tmp_path / "a-file")], f"{tmp_path / 'a-file'} is a file, expected a directory"),
-        "unwritable": (["--output-dir", _unwritable(tmp_path)], "--output-dir: cannot create or write in"),
+        "unwritable": (["--output-dir", unwritable_path(tmp_path)], "--output-dir: cannot create or write in"),
         "empty-dir": (["--output-dir", ""], "--output-dir must name a directory, got ''"),
         "rewards-ints": (["--config", str(toml)], f"--config {toml}: TrainConfig.rewards: expected a list of str, "
                                                   "got [1, 2] (item 0 is int, expected a string)"),
@@ -72,7 +63,7 @@ def test_bad_input_is_one_line(case, tmp_path, capsys, monkeypatch):
         pytest.skip("--impl triton is valid where CUDA is")
     line = _one_line_error(capsys, ["train", *TINY, "--output-dir", out, *argv])
     assert expected in line
-    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())  # nothing written
+    assert not (tmp_path / "run").exists()  # nothing written, not even the directory
 
 
 def test_no_abbreviated_options(capsys, tmp_path):
@@ -146,7 +137,7 @@ def test_a_damaged_newest_checkpoint_is_named_skipped_and_the_older_one_used(dam
     train(small_config(tmp_path, steps=3, save_every=1, keep_checkpoints=0))
     ckpt_dir = tmp_path / "run" / "checkpoints"
     newest = ckpt_dir / "checkpoint-000003.pt"
-    expected = torch.load(newest, weights_only=False)["model"]
+    expected = ckpt.read_state(newest)["model"]
     data = newest.read_bytes()
     newest.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"garbage\n" * 10}.get(
         damage, b""))
@@ -158,7 +149,7 @@ def test_a_damaged_newest_checkpoint_is_named_skipped_and_the_older_one_used(dam
     warnings = [r.getMessage() for r in caplog.records if "damaged" in r.getMessage()]
     assert warnings[0].startswith(f"--resume: skipping a damaged checkpoint: {newest} ")
     assert (ckpt_dir / "checkpoint-000003.pt.damaged").exists()
-    got = torch.load(newest, weights_only=False)["model"]
+    got = ckpt.read_state(newest)["model"]
     assert all(torch.equal(got[k], expected[k]) for k in expected)
     assert [s["step"] for s in read_steps(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
 
@@ -168,9 +159,22 @@ def test_resume_refuses_when_every_checkpoint_is_damaged(tmp_path):
     for _, path in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints"):
         path.write_bytes(b"")
     with pytest.raises(ValueError, match=r"--resume: every checkpoint in .* is damaged \(.*checkpoint-000002.pt "
-                                         r"cannot be read \(EOFError: Ran out of input\); .*checkpoint-000001.pt"):
+                                         r"cannot be read \(the file is empty\); .*checkpoint-000001.pt"):
         train(small_config(tmp_path, steps=2, resume=True))
     assert len(ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")) == 2  # not renamed: nothing was used
+
+
+def test_resume_needs_a_checkpoint_and_excludes_overwrite(tmp_path, capsys):
+    """--resume where there is nothing to resume, and --resume with --overwrite: one line each, naming the flags;
+    neither creates the output directory (nor its missing parents)."""
+    out = tmp_path / "new" / "run"
+    line = _one_line_error(capsys, ["train", *TINY, "--output-dir", str(out), "--resume"])
+    assert line == (f"grpo-fast train: error: --resume: nothing to resume ({out} does not exist); start the run "
+                    "without --resume")
+    line = _one_line_error(capsys, ["train", *TINY, "--output-dir", str(out), "--resume", "--overwrite"])
+    assert line == ("grpo-fast train: error: --resume and --overwrite exclude each other (resume continues the run in "
+                    "output_dir, overwrite deletes its checkpoints and starts over); pass one, got both")
+    assert not (tmp_path / "new").exists()
 
 
 def test_resume_command_repeats_the_options_with_resume(monkeypatch):
@@ -261,7 +265,7 @@ def test_ctrl_c_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch)
     assert main(["train", *TINY, "--output-dir", str(out)]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "grpo-fast train: interrupted before the first step; nothing was trained or saved"
-    assert not any(out.iterdir())  # the rerun needs no --overwrite
+    assert not out.exists()  # the rerun needs no --overwrite, and no empty directory is left behind
 
 
 def test_a_stop_with_nothing_saved_says_to_start_again(tmp_path, capsys, monkeypatch):

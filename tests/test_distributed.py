@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from train_helpers import REPO, save_local_model
 
+from grpo_fast.train import checkpoint as ckpt
+
 pytestmark = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
 
@@ -46,12 +48,12 @@ def _parameters(out: Path, step: int) -> dict[str, torch.Tensor]:
     directory = out / "checkpoints"
     single = directory / f"checkpoint-{step:06d}.pt"
     if single.exists():
-        return torch.load(single, weights_only=False)["model"]
+        return ckpt.read_state(single)["model"]
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(directory / f"checkpoint-{step:06d}.dcp", Path(tmp) / "full.pt")
-        return torch.load(Path(tmp) / "full.pt", weights_only=False)["model"]
+        return ckpt.load(Path(tmp) / "full.pt")["model"]  # torch.save of the gathered state: plain values
 
 
 def _saved_model(directory: Path) -> dict[str, torch.Tensor]:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
-from train_helpers import small_config
+from train_helpers import small_config, unwritable_path
 
 from grpo_fast.cli import main
 from grpo_fast.train import fit, prepare
@@ -74,6 +76,67 @@ def test_bad_input_is_one_line_naming_the_flag(trained, capsys, args, flag):
     assert main(["eval", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and err.startswith("grpo-fast eval: error: ") and flag in err, err
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "missing"])
+def test_damaged_or_missing_weights_are_one_line_naming_the_file(trained, tmp_path, capsys, damage):
+    """An empty or truncated model.safetensors (a raw SafetensorError otherwise), or none at all (random weights
+    from config.json otherwise): exit code 2, one line naming the file, before anything is evaluated."""
+    _, model_dir = trained
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    weights = copy / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "missing":
+        weights.unlink()
+    else:
+        weights.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    assert main(["eval", "--model", str(copy), "--dataset", "builtin:digits", "--limit", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    expected = {
+        "empty": f"--model: {weights} cannot be read (SafetensorError: Error while deserializing header: header too "
+                 "small); an empty or truncated copy?",
+        "truncated": f"--model: {weights} cannot be read (SafetensorError: Error while deserializing header: "
+                     "incomplete metadata, file not fully covered); an empty or truncated copy?",
+        "missing": f"--model: {copy} holds no weights (no model.safetensors)",
+    }[damage]
+    assert "\n" not in err and err.startswith(f"grpo-fast eval: error: {expected}"), err
+    assert not (copy / "eval.json").exists()
+
+
+def test_results_go_into_the_model_directory_not_the_current_one(trained, tmp_path, capsys, monkeypatch):
+    _, model_dir = trained
+    copy = tmp_path / "model"
+    shutil.copytree(model_dir, copy)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    assert main(["eval", "--model", str(copy), "--dataset", "builtin:digits", "--limit", "4"]) == 0
+    printed = capsys.readouterr().out
+    assert list(cwd.iterdir()) == [] and f"results: {copy / 'eval.json'}" in printed
+    result = json.loads((copy / "eval.json").read_text())
+    assert result["prompts"] == 4 and len(result["per_prompt"]) == 4
+
+
+def test_an_unwritable_output_is_refused_before_the_evaluation(trained, tmp_path, capsys):
+    _, model_dir = trained
+    output = f"{unwritable_path(tmp_path)}/eval.json"
+    assert main(["eval", "--model", str(model_dir), "--dataset", "builtin:digits", "--output", output]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"grpo-fast eval: error: --output: cannot create or write in "
+                                              f"{Path(output).parent} ("), err
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+    (["--reward-weights", "nan"], "--reward-weights must be finite numbers, got [nan]"),
+    (["--dtype", "int8"], "--dtype must be one of auto, float32, bfloat16, float16; got 'int8'"),
+])
+def test_trainer_field_errors_name_the_eval_flag(trained, capsys, args, expected):
+    _, model_dir = trained
+    assert main(["eval", "--model", str(model_dir), "--dataset", "builtin:digits", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"grpo-fast eval: error: {expected}", err
 
 
 def test_help_explains(capsys):

@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from train_helpers import small_config
+from train_helpers import small_config, unwritable_path
 
 from grpo_fast.cli import main
 from grpo_fast.testing import assert_close_rule
@@ -148,6 +148,26 @@ def test_export_bad_input_is_one_line(full_run, tmp_path, capsys, case):
     assert "\n" not in err and err.startswith("grpo-fast export: error: ")
     assert {"missing": "CHECKPOINT", "not_a_checkpoint": "CHECKPOINT", "out_not_empty": "OUT_DIR",
             "merge_without_lora": "--merge-lora"}[case] in err
+
+
+@pytest.mark.parametrize("case", ["empty", "under_a_file", "unwritable"])
+def test_out_dir_errors_name_out_dir_as_typed(full_run, tmp_path, capsys, case):
+    """OUT_DIR that is "", under a file, or where nothing can be created: one line naming OUT_DIR as typed and why
+    (not the temporary directory the export writes first), before the model is loaded; nothing is created."""
+    _, _, run_dir = full_run
+    (tmp_path / "afile").write_text("x")
+    under, unwritable = str(tmp_path / "afile" / "sub"), unwritable_path(tmp_path)
+    out, why = {
+        "empty": ("", "OUT_DIR: expected the directory to write, got ''"),
+        "under_a_file": (under, f"OUT_DIR: cannot create or write in {under} ({tmp_path / 'afile'} is a file, not a "
+                                "directory)"),
+        "unwritable": (unwritable, f"OUT_DIR: cannot create or write in {unwritable} ("),
+    }[case]
+    assert main(["export", str(_final_checkpoint(run_dir)), out]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"grpo-fast export: error: {why}") and "\n" not in err and ".tmp" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"afile", *(["read-only"] if "read-only" in out
+                                                                            else [])})
 
 
 # --------------------------------------------------------------------------------------------- LoRA

@@ -27,6 +27,19 @@ def _flag(value) -> str:
     return str(value)
 
 
+def unwritable_path(tmp_path) -> str:
+    """A directory path nothing can be created at: under a read-only directory, or (root writes through
+    permissions) under /proc, which takes no new directories."""
+    import os
+
+    if os.geteuid() != 0:
+        ro = Path(tmp_path) / "read-only"
+        ro.mkdir(exist_ok=True)
+        ro.chmod(0o555)
+        return str(ro / "run")
+    return "/proc/grpo-fast-no-such-dir"
+
+
 def starts_with_seven(prompts, completions, **kwargs):
     """1 when the completion starts with the digit 7: a task whose optimum is known (always answer 7)."""
     return [1.0 if c.startswith("7") else 0.0 for c in completions]

@@ -1,4 +1,5 @@
-"""Atomic checkpoints: ``checkpoint-000050.pt`` (or ``checkpoint-000050.dcp/``) appears whole or not at all.
+"""Atomic checkpoints that cannot run code: ``checkpoint-000050.pt`` (or ``checkpoint-000050.dcp/``) appears whole
+or not at all, and reading one never unpickles anything but tensors and plain values.
 
 A checkpoint is one file written to a temporary name in the same directory, flushed to disk, then renamed over
 (``os.replace`` is atomic on POSIX). Under FSDP2 it is a directory in torch.distributed.checkpoint's format (every
@@ -7,15 +8,32 @@ rank has finished. A run killed in the middle of a save leaves a ``.checkpoint-*
 next resume ignores and removes; the previous checkpoint is untouched. A checkpoint damaged in another way (a
 truncated copy, a full disk, a file overwritten by something else) is found when it is read: :func:`read_state` raises
 :class:`DamagedCheckpoint` naming it, and resume falls back to the newest intact one.
+
+Checkpoints are files people download and share, and a pickle can call any function while it is read. So a
+checkpoint holds only tensors, numbers, strings, None and lists, tuples and dicts of them (the RNG states as
+tensors and numbers, see :func:`rng_state`), and every file is read by :func:`load`: ``torch.load(weights_only=True)``
+after a scan of the pickle for globals outside torch's tensor-only set. A file that needs anything more is refused
+before it is unpickled (:class:`UnsafeCheckpoint`, naming the file and the global): resume stops there rather than
+skip it as damaged, and ``grpo-fast export`` stops too. The ``.metadata`` of a ``.dcp`` directory is unpickled with
+an allow-list of torch.distributed.checkpoint's metadata classes, its non-tensor entries by :func:`load`.
+
+Checkpoints of grpo-fast before this format pickled numpy's RNG state as a numpy array; :func:`convert`
+(``grpo-fast convert-checkpoint OLD NEW --trust``) re-saves one you trust, and is the one place a checkpoint is
+unpickled without the allow-list.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import random
 import re
+import shlex
 import shutil
+import tempfile
 from pathlib import Path
+from typing import IO, Any
 
 import torch
 
@@ -23,10 +41,32 @@ _NAME = re.compile(r"^checkpoint-(\d{6,})\.(pt|dcp)$")
 TRAINER_STATE = "trainer_state.pt"  # inside a sharded checkpoint: step, scheduler, sampler, RNG, config
 TRAINER_KEYS = ("step", "skipped_updates", "scheduler", "sampler", "rng", "config")
 DAMAGED_SUFFIX = ".damaged"
+CONVERT_COMMAND = "grpo-fast convert-checkpoint"
+
+# what a loaded checkpoint may hold (dict covers OrderedDict, Tensor covers Parameter); anything else is refused
+PLAIN_TYPES = (torch.Tensor, dict, list, tuple, str, int, float, bool, type(None))
+# the globals a checkpoint of the format before this one needs: numpy's RNG state as an array (numpy 1 and 2 names)
+_OLD_FORMAT_GLOBALS = frozenset({"numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct",
+                                 "numpy.ndarray", "numpy.dtype"})
+# what torch.distributed.checkpoint pickles into a .dcp's .metadata (torch dtypes are allowed besides)
+_METADATA_GLOBALS = frozenset({
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),  # StorageMeta's path
+})
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 
 
 class DamagedCheckpoint(ValueError):
     """A checkpoint that cannot be read back; the message names the file and what went wrong."""
+
+
+class UnsafeCheckpoint(ValueError):
+    """A checkpoint refused before it was unpickled: reading it would take a pickle global (a class or a function)
+    beyond what a checkpoint holds, which is how a pickle runs code. The message names the file and the global."""
 
 
 def checkpoint_path(directory: Path, step: int, sharded: bool = False) -> Path:
@@ -43,6 +83,12 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 
 def save_atomic(state: dict, path: Path) -> None:
+    """Writes ``state`` to ``path`` with ``torch.save``, all or nothing. ``state`` must hold only what :func:`load`
+    reads back (:data:`PLAIN_TYPES`): anything else is refused here rather than at the resume."""
+    where = _not_plain(state)
+    if where is not None:
+        raise ValueError(f"save_atomic: the state holds {where}, which a checkpoint cannot hold (only "
+                         f"{_PLAIN_NAMES}); nothing was written")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -65,26 +111,191 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_state(path: Path) -> dict:
-    """A checkpoint's state on the CPU: the whole of a ``.pt`` file (model and optimizer included), the
-    ``trainer_state.pt`` of a ``.dcp`` directory (whose shards :func:`load_sharded` reads). Raises
-    :class:`DamagedCheckpoint` when the file is missing, truncated, empty, not a checkpoint or lacks a part."""
-    path = Path(path)
-    file = path / TRAINER_STATE if path.suffix == ".dcp" else path
+# ------------------------------------------------------------------------------------------------ reading
+
+
+_PLAIN_NAMES = "tensors, numbers, strings, None, and lists, tuples and dicts of them"
+
+
+def _reason(e: BaseException) -> str:
+    """``Type: first line of the message``, at most 160 characters."""
+    reason = (str(e).strip().splitlines() or [""])[0]
+    reason = reason if len(reason) <= 160 else reason[:157] + "..."
+    return f"{type(e).__name__}: {reason}"
+
+
+def _not_plain(obj: Any) -> str | None:
+    """Where ``obj`` holds something outside :data:`PLAIN_TYPES` (``"a torch.device at ['rng']['cuda']"``); None
+    when nowhere."""
+    stack = [(obj, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}[{k!r}]") for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif not isinstance(value, PLAIN_TYPES):
+            kind = type(value)
+            return f"a {kind.__module__}.{kind.__qualname__} at {where or 'the top level'}"
+    return None
+
+
+def _refusal(name: str, unsafe: list[str]) -> str:
+    if set(unsafe) <= _OLD_FORMAT_GLOBALS:
+        quoted = shlex.quote(name)
+        return (f"{name} is refused unread: it is in the format of an older grpo-fast, whose numpy RNG state needs "
+                f"the pickle global {unsafe[0]}; if you trust the file, convert it (in place) with: "
+                f"{CONVERT_COMMAND} {quoted} {quoted} --trust")
+    more = f" (and {len(unsafe) - 1} more: {', '.join(unsafe[1:])})" if len(unsafe) > 1 else ""
+    return (f"{name} is refused unread: its pickle needs the global {unsafe[0]}{more}, which no checkpoint holds "
+            f"(only {_PLAIN_NAMES}); unpickling it could run code, so it was not loaded")
+
+
+def check_safe(file: str | os.PathLike | IO[bytes], name: str | None = None) -> None:
+    """Raises :class:`UnsafeCheckpoint` when the pickle inside ``file`` (a ``torch.save`` archive: a path or a
+    seekable binary file) names a global outside torch's ``weights_only`` set (tensors, storages, dtypes,
+    OrderedDict), :class:`DamagedCheckpoint` when ``file`` is no readable archive. Unpickles nothing: it reads the
+    pickle's opcodes (``torch.serialization.get_unsafe_globals_in_checkpoint``). ``name``: the file in messages."""
+    name = str(file) if name is None else name
+    buffer = not isinstance(file, (str, os.PathLike))
+    start = file.tell() if buffer else 0
+    magic = b""
+    try:
+        if buffer:
+            magic = file.read(len(_ZIP_MAGIC))
+            file.seek(start)
+        else:
+            with open(file, "rb") as f:
+                magic = f.read(len(_ZIP_MAGIC))
+        if magic != _ZIP_MAGIC:
+            what = "the file is empty" if not magic else "not a torch.save archive"
+            raise DamagedCheckpoint(f"{name} cannot be read ({what})")
+        unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+    except DamagedCheckpoint:
+        raise
+    except Exception as e:  # a missing file, a truncated archive, a pickle cut short: anything from OSError on
+        what = "a truncated or damaged archive: " if magic else ""
+        raise DamagedCheckpoint(f"{name} cannot be read ({what}{_reason(e)})") from None
+    finally:
+        if buffer:
+            file.seek(start)
+    if unsafe:
+        raise UnsafeCheckpoint(_refusal(name, unsafe))
+
+
+def load(file: str | os.PathLike | IO[bytes], name: str | None = None) -> Any:
+    """The one reader of checkpoint files (a ``.pt`` checkpoint, a ``.dcp``'s ``trainer_state.pt`` and its
+    non-tensor entries): ``torch.load(file, map_location="cpu", weights_only=True)`` of a file :func:`check_safe`
+    passed, whose content must be plain (:data:`PLAIN_TYPES`). ``name``: the file in messages (default: its path).
+    Raises :class:`UnsafeCheckpoint` or :class:`DamagedCheckpoint`; never runs code from the file."""
+    name = str(file) if name is None else name
+    check_safe(file, name)
     try:
         # on the CPU: RNG states must stay CPU byte tensors; load_state_dict moves the rest where it belongs
-        state = torch.load(file, map_location="cpu", weights_only=False)
-    except Exception as e:  # truncated or garbage bytes raise anything from EOFError to UnpicklingError
-        reason = (str(e).strip().splitlines() or [""])[0]
-        reason = reason if len(reason) <= 160 else reason[:157] + "..."
-        raise DamagedCheckpoint(f"{file} cannot be read ({type(e).__name__}: {reason})") from None
-    needed = TRAINER_KEYS if path.suffix == ".dcp" else (*TRAINER_KEYS, "model", "optimizer")
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # the scan passed, torch's unpickler did not: a global pushed at load time
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        why = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), _reason(e))
+        raise UnsafeCheckpoint(f"{name} is refused: torch's weights-only unpickler stopped it ({why[:200]}); it "
+                               "was not loaded") from None
+    except Exception as e:
+        raise DamagedCheckpoint(f"{name} cannot be read ({_reason(e)})") from None
+    where = _not_plain(state)
+    if where is not None:
+        raise DamagedCheckpoint(f"{name} holds {where}, which no checkpoint holds (only {_PLAIN_NAMES})")
+    return state
+
+
+def read_state(path: Path) -> dict:
+    """A checkpoint's state on the CPU, read by :func:`load`: the whole of a ``.pt`` file (model and optimizer
+    included), the ``trainer_state.pt`` of a ``.dcp`` directory (whose shards :func:`read_sharded` reads). Raises
+    :class:`UnsafeCheckpoint` for a file that needs more than a checkpoint holds, and :class:`DamagedCheckpoint`
+    when the file is missing, truncated, empty, not a checkpoint or lacks a part."""
+    path = Path(path)
+    sharded = path.suffix == ".dcp" or path.is_dir()
+    file = path / TRAINER_STATE if sharded else path
+    state = load(file)
+    needed = TRAINER_KEYS if sharded else (*TRAINER_KEYS, "model", "optimizer")
     if not isinstance(state, dict):
         raise DamagedCheckpoint(f"{file} holds a {type(state).__name__}, not a checkpoint")
     missing = [k for k in needed if k not in state]
     if missing:
         raise DamagedCheckpoint(f"{file} lacks {', '.join(missing)}")
     return state
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a ``.dcp``'s ``.metadata`` with :data:`_METADATA_GLOBALS` and torch's dtypes, nothing else."""
+
+    def __init__(self, file: IO[bytes], name: str):
+        super().__init__(file)
+        self.name = name
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                 torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"{self.name} is refused unread: its pickle needs the global {module}.{name}, which "
+                               "no torch.distributed.checkpoint metadata holds; unpickling it could run code, so it "
+                               "was not loaded")
+
+
+def _read_metadata(file: Path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f, str(file)).load()
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:
+        raise DamagedCheckpoint(f"{file} cannot be read ({_reason(e)})") from None
+    if not isinstance(metadata, Metadata):
+        raise DamagedCheckpoint(f"{file} holds a {type(metadata).__name__}, not torch.distributed.checkpoint "
+                                "metadata")
+    return metadata
+
+
+def read_sharded(state: dict, path: Path, no_dist: bool = False) -> None:
+    """``torch.distributed.checkpoint.load(state, checkpoint_id=path)`` (in place; collective unless ``no_dist``)
+    through safe readers: the ``.metadata`` is unpickled with an allow-list of DCP's metadata classes, non-tensor
+    entries by :func:`load` (tensors torch reads itself with ``weights_only=True``). An unsafe or damaged part
+    raises :class:`UnsafeCheckpoint` or :class:`DamagedCheckpoint` on every rank."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    path = Path(path)
+    _read_metadata(path / ".metadata")  # every rank, before the collective: a refusal is one error, not a wrapped one
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            rank = kwargs.get("rank")
+            metadata = _read_metadata(path / (".metadata" if rank is None else f"__{rank}.metadata"))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value):  # DefaultLoadPlanner's, with load() for torch.load(weights_only=False)
+            fqn = read_item.dest_index.fqn
+            obj = load(value, f"{path} (entry {fqn})")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    try:
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=no_dist)
+    except CheckpointException as e:  # a rank's failure, wrapped with its traceback: ours are one line
+        for failure in e.failures.values():
+            error = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(error, (UnsafeCheckpoint, DamagedCheckpoint)):
+                raise error from None
+        raise
 
 
 def set_aside(path: Path) -> Path:
@@ -121,6 +332,24 @@ def prune(directory: Path, keep: int) -> None:
             remove(p)
 
 
+def check_writable(directory: str | Path, name: str) -> None:
+    """Raises ValueError naming ``name`` (the flag or argument) and ``directory`` as given, unless ``directory``
+    takes files or can be created. Creates nothing: the probe is a temporary file in ``directory``, or a temporary
+    directory in its nearest existing ancestor, removed at once."""
+    path = Path(directory)
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    try:
+        if not existing.is_dir():
+            raise ValueError(f"{name}: cannot create or write in {directory} ({existing} is a file, not a directory)")
+        if existing == path:
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as e:
+        raise ValueError(f"{name}: cannot create or write in {directory} ({e.strerror or e})") from None
+
+
 def save_sharded(model, optimizer, trainer_state: dict, path: Path, is_main: bool, barrier) -> None:
     """A torch.distributed.checkpoint directory of the (FSDP2-sharded) model and optimizer; collective: every rank
     calls it. ``barrier()`` synchronises the ranks."""
@@ -145,13 +374,15 @@ def save_sharded(model, optimizer, trainer_state: dict, path: Path, is_main: boo
 
 def load_sharded(model, optimizer, path: Path) -> None:
     """Loads :func:`save_sharded`'s model and optimizer state into the (sharded) ``model`` and ``optimizer``."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=str(path))
+    read_sharded(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+# ------------------------------------------------------------------------------------------------ RNG states
 
 
 def _numpy():
@@ -171,24 +402,91 @@ def seed_rngs(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
+def _portable_rng(state: dict) -> dict:
+    """``state`` with Python's and numpy's generator states as tensors and numbers: ``random.getstate()``'s
+    ``(version, 625 ints, gauss_next)`` and numpy's ``(name, uint32 array, pos, has_gauss, cached_gaussian)``
+    become dicts; entries already portable stay as they are."""
+    out = dict(state)
+    if isinstance(out.get("python"), tuple):
+        version, internal, gauss_next = out["python"]
+        out["python"] = {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                         "gauss_next": gauss_next}
+    if isinstance(out.get("numpy"), tuple):
+        name, key, pos, has_gauss, cached_gaussian = out["numpy"]
+        out["numpy"] = {"bit_generator": str(name), "key": torch.tensor(key.tolist(), dtype=torch.int64),
+                        "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached_gaussian)}
+    return out
+
+
 def rng_state() -> dict:
-    """The global generators a step may draw from (a reward function, say): Python's ``random``, numpy's global
-    one (when numpy is installed), torch's CPU generator and every CUDA device's."""
+    """The global generators a step may draw from (a reward function, say), as tensors and numbers: Python's
+    ``random``, numpy's global one (when numpy is installed), torch's CPU generator and every CUDA device's."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     np = _numpy()
     if np is not None:
         state["numpy"] = np.random.get_state()
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    return _portable_rng(state)
 
 
 def set_rng_state(state: dict) -> None:
     """Restores :func:`rng_state` (sampling has no RNG state to restore: its seeds follow the step)."""
-    random.setstate(state["python"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["internal"].tolist()), python["gauss_next"]))
     torch.set_rng_state(state["torch"])
     np = _numpy()
     if "numpy" in state and np is not None:
-        np.random.set_state(state["numpy"])
+        saved = state["numpy"]
+        np.random.set_state((saved["bit_generator"], np.asarray(saved["key"].tolist(), dtype=np.uint32),
+                             saved["pos"], saved["has_gauss"], saved["cached_gaussian"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------------------------ old checkpoints
+
+
+def convert(old: str | Path, new: str | Path) -> Path:
+    """Re-saves ``old``, a checkpoint of an older grpo-fast (its RNG state pickled with numpy arrays), in the format
+    :func:`load` reads; returns ``new``. ``new`` may be ``old``: converted in place, atomically. Of a ``.dcp``
+    directory the ``trainer_state.pt`` is converted and the shards are copied as they are; a ``trainer_state.pt``
+    can be converted alone.
+
+    This unpickles ``old`` with full pickle (``weights_only=False``), which runs any code the file holds: the one
+    place grpo-fast does so, for a file its user trusts (``grpo-fast convert-checkpoint OLD NEW --trust``)."""
+    old, new = Path(old), Path(new)
+    sharded = old.is_dir()
+    source = old / TRAINER_STATE if sharded else old
+    if not source.is_file():
+        raise FileNotFoundError(f"OLD: expected a checkpoint-*.pt file or a checkpoint-*.dcp directory (holding "
+                                f"{TRAINER_STATE}), got {str(old)!r}")
+    in_place = new.exists() and new.resolve() == old.resolve()
+    if new.exists() and not in_place:
+        raise FileExistsError(f"NEW: {new} exists; choose a new path, or pass OLD again to convert it in place")
+    try:
+        state = torch.load(source, map_location="cpu", weights_only=False)  # trusted: it may run what it holds
+    except Exception as e:
+        raise DamagedCheckpoint(f"OLD: {source} cannot be read ({_reason(e)})") from None
+    if not isinstance(state, dict):
+        raise DamagedCheckpoint(f"OLD: {source} holds a {type(state).__name__}, not a checkpoint")
+    if isinstance(state.get("rng"), dict):
+        state["rng"] = _portable_rng(state["rng"])
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    try:  # what resume and export will read: refused here, before anything is written
+        load(buffer, f"{source} (converted)")
+    except (UnsafeCheckpoint, DamagedCheckpoint) as e:
+        raise ValueError(f"OLD: cannot convert: {e}") from None
+    if not sharded or in_place:
+        save_atomic(state, new / TRAINER_STATE if sharded else new)
+        return new
+    tmp = new.with_name(f".{new.name}.{os.getpid()}.tmp")
+    try:
+        shutil.copytree(old, tmp)
+        save_atomic(state, tmp / TRAINER_STATE)
+        os.replace(tmp, new)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return new

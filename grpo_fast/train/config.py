@@ -201,6 +201,9 @@ class TrainConfig:
         bad = [w for w in self.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))
                or not math.isfinite(w)]
         if bad:
+        if self.resume and self.overwrite:
+            raise ValueError("TrainConfig.resume and TrainConfig.overwrite exclude each other (resume continues the "
+                             "run in output_dir, overwrite deletes its checkpoints and starts over); pass one, got both")
             raise ValueError(f"TrainConfig.reward_weights must be finite numbers, got {self.reward_weights!r}")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"TrainConfig.reward_weights must have one weight per reward ({len(self.rewards)}: "

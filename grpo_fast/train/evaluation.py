@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,13 @@ import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 DEFAULT_MAX_NEW_TOKENS = 256  # when the model's generation_config.json does not say
+RESULT_FILE = "eval.json"  # the default --output, inside the model directory
+# the TrainConfig fields evaluate_model fills from eval's flags: an error about one names the flag the user typed
+_FLAGS = {"model": "--model", "tokenizer": "--model", "dataset": "--dataset", "eval_dataset": "--dataset",
+          "rewards": "--rewards", "reward_weights": "--reward-weights", "eval_size": "--limit",
+          "micro_batch_size": "--batch-size", "max_new_tokens": "--max-new-tokens", "prompt_column": "--prompt-column",
+          "system_prompt": "--system-prompt", "max_prompt_length": "--max-prompt-length", "device": "--device",
+          "dtype": "--dtype", "seed": "--seed"}
 
 
 @dataclass
@@ -94,6 +102,7 @@ def load_saved_model(directory: str | Path, config, base_model: str | None = Non
     dtype = resolve_dtype(config.dtype, device)
     adapter = directory / ADAPTER_CONFIG
     if not adapter.is_file():
+        check_weights(directory, "--model", "model")
         model, tokenizer = load_model_and_tokenizer(config, device, dtype)
         return model.eval(), tokenizer
     try:
@@ -107,14 +116,73 @@ def load_saved_model(directory: str | Path, config, base_model: str | None = Non
             f"--base-model: the adapter in {directory} needs its base model directory; its {ADAPTER_CONFIG} names "
             f"{base!r}, which is not a directory (the built-in tiny model has none: export its run with --merge-lora)"
         )
+    check_weights(directory, "--model", "adapter_model")
+    check_weights(Path(base), "--base-model", "model")
     base_config = dataclasses.replace(config, model=base, tokenizer=str(directory))
     model, tokenizer = load_model_and_tokenizer(base_config, device, dtype)
     model = PeftModel.from_pretrained(model, str(directory)).merge_and_unload()
     return model.eval(), tokenizer
 
 
+def check_weights(directory: Path, flag: str, stem: str) -> None:
+    """Refuses, in one line naming ``flag`` and the file, a model directory whose weights would not load whole
+    (``stem``: ``model`` or ``adapter_model``): none at all (the trainer's loader would build random weights from
+    config.json), a missing shard of ``STEM.safetensors.index.json``, a ``.safetensors`` file that is empty or
+    truncated (its header is read, and must cover the file), or a ``.bin`` whose pickle needs more than tensors
+    (``checkpoint.check_safe``; transformers would refuse it too, with a traceback)."""
+    from safetensors import safe_open
+
+    from grpo_fast.train import checkpoint as ckpt
+
+    index = directory / f"{stem}.safetensors.index.json"
+    files = [directory / f"{stem}.safetensors"]
+    if index.is_file():
+        try:
+            files = [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{flag}: {index} cannot be read ({type(e).__name__}: {e})") from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{flag}: {directory} lacks {missing[0]}, a shard its {index.name} names"
+                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    files = [f for f in files if f.is_file()]
+    bins = sorted(directory.glob(f"{'pytorch_model' if stem == 'model' else stem}*.bin"))
+    if not files and not bins:
+        raise FileNotFoundError(f"{flag}: {directory} holds no weights (no {stem}.safetensors); a saved model is "
+                                "output_dir/model of a run, or grpo-fast export's OUT_DIR")
+    for file in files:
+        try:
+            with safe_open(str(file), "pt"):  # the header, checked against the file's length
+                pass
+        except Exception as e:  # safetensors' SafetensorError (a Rust exception), OSError
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(f"{flag}: {file} cannot be read ({type(e).__name__}: {reason}); an empty or truncated "
+                             "copy? Export or copy the model again") from None
+    for file in bins:
+        try:
+            ckpt.check_safe(file)
+        except (ckpt.DamagedCheckpoint, ckpt.UnsafeCheckpoint) as e:
+            raise ValueError(f"{flag}: {e}") from None
+
+
+def _flag_named(message: str) -> str:
+    """``message`` with the TrainConfig fields eval sets from its flags named as those flags."""
+    return re.sub(r"\bTrainConfig\.(\w+)", lambda m: _FLAGS.get(m.group(1), m.group(0)), message)
+
+
 def evaluate_model(options: EvalOptions) -> dict:
-    """Runs the evaluation; returns the JSON-ready result (the options, the metrics and every prompt's rewards)."""
+    """Runs the evaluation; returns the JSON-ready result (the options, the metrics and every prompt's rewards).
+    Errors about the options name eval's flags (``--device``), not the trainer's fields behind them."""
+    try:
+        return _evaluate(options)
+    except (ValueError, TypeError, OSError) as e:
+        named = _flag_named(str(e))
+        if named == str(e):
+            raise
+        raise type(e)(named) from None
+
+
+def _evaluate(options: EvalOptions) -> dict:
     from grpo_fast.config import GRPOLossConfig
     from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.distributed import PolicyForward

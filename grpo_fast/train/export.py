@@ -118,19 +118,16 @@ def base_model_path(config: TrainConfig) -> str | None:
 
 
 def _trainer_state(path: Path) -> tuple[dict, bool]:
-    """(the checkpoint's saved state, whether it is an FSDP2 directory)."""
-    if path.is_dir() and (path / ckpt.TRAINER_STATE).is_file():
-        return torch.load(path / ckpt.TRAINER_STATE, map_location="cpu", weights_only=False), True
-    if path.is_file():
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
-        except Exception as e:  # a file that is not a torch checkpoint
-            raise ValueError(f"CHECKPOINT: {path} is not a grpo-fast checkpoint ({type(e).__name__}: {e})") from None
-        if isinstance(state, dict) and "model" in state and "config" in state:
-            return state, False
-        raise ValueError(f"CHECKPOINT: {path} is not a grpo-fast checkpoint (no 'model' and 'config' entries)")
-    raise FileNotFoundError(f"CHECKPOINT: expected a checkpoint-*.pt file or a checkpoint-*.dcp directory (holding "
-                            f"{ckpt.TRAINER_STATE}), got {str(path)!r}")
+    """(the checkpoint's saved state, whether it is an FSDP2 directory), read by ``checkpoint.read_state``: a file
+    that needs more than a checkpoint holds is refused unread."""
+    sharded = path.is_dir()
+    if not (path.is_file() or (sharded and (path / ckpt.TRAINER_STATE).is_file())):
+        raise FileNotFoundError(f"CHECKPOINT: expected a checkpoint-*.pt file or a checkpoint-*.dcp directory "
+                                f"(holding {ckpt.TRAINER_STATE}), got {str(path)!r}")
+    try:
+        return ckpt.read_state(path), sharded
+    except (ckpt.DamagedCheckpoint, ckpt.UnsafeCheckpoint) as e:
+        raise ValueError(f"CHECKPOINT: {e}") from None
 
 
 def checkpoint_config(saved: dict) -> TrainConfig:
@@ -153,10 +150,11 @@ def load_checkpoint_model(checkpoint: str | Path):
     if config.lora_r > 0:
         model = attach_lora(model, config)
     if sharded:
-        import torch.distributed.checkpoint as dcp
-
         weights = {"model": model.state_dict()}
-        dcp.load(weights, checkpoint_id=str(path), no_dist=True)  # only the model's entries are read
+        try:
+            ckpt.read_sharded(weights, path, no_dist=True)  # only the model's entries are read
+        except (ckpt.DamagedCheckpoint, ckpt.UnsafeCheckpoint) as e:
+            raise ValueError(f"CHECKPOINT: {e}") from None
         model.load_state_dict(weights["model"])
     else:
         model.load_state_dict(state["model"])
@@ -166,12 +164,19 @@ def load_checkpoint_model(checkpoint: str | Path):
 
 def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge_lora: bool = False) -> Path:
     """``grpo-fast export``: the ``save_pretrained`` directory (what ``output_dir/model/`` holds at the end of a run)
-    of a single-file or FSDP2 checkpoint."""
+    of a single-file or FSDP2 checkpoint. ``out_dir`` is checked (new or empty, creatable, writable) before the
+    model is loaded; errors name it as given."""
+    if not str(out_dir).strip():
+        raise ValueError(f"OUT_DIR: expected the directory to write, got {str(out_dir)!r}")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"OUT_DIR: {out} exists and is not an empty directory; choose a new one")
+        raise FileExistsError(f"OUT_DIR: {out_dir} exists and is not an empty directory; choose a new one")
+    ckpt.check_writable(out_dir, "OUT_DIR")
     model, tokenizer, config = load_checkpoint_model(checkpoint)
     if merge_lora and not is_peft(model):
         raise ValueError(f"--merge-lora: {checkpoint} is not a LoRA run (lora_r=0): there is nothing to merge")
-    return save_model(model, tokenizer, out, merge_lora=merge_lora, base_model=base_model_path(config),
-                      max_new_tokens=config.max_new_tokens)
+    try:
+        return save_model(model, tokenizer, out, merge_lora=merge_lora, base_model=base_model_path(config),
+                          max_new_tokens=config.max_new_tokens)
+    except OSError as e:  # what the check cannot foresee (a full disk): about OUT_DIR, not its temporary name
+        raise OSError(f"OUT_DIR: writing {out_dir} failed ({e.strerror or e})") from None

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import signal
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -586,8 +585,10 @@ RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "k
 
 def load_checkpoint(run: Run, directory: Path) -> bool:
     """Restores the newest intact checkpoint in ``directory`` (False: there is none). A damaged newer one is named
-    in a warning, skipped, and renamed ``*.damaged`` once the older one has loaded. Nothing in ``directory`` is
-    touched before every check has passed: a checkpoint of other options, or one past ``--steps``, is refused."""
+    in a warning, skipped, and renamed ``*.damaged`` once the older one has loaded. A checkpoint refused as unsafe
+    (its pickle needs more than tensors and plain values: planted, or of an older format) is not skipped: the resume
+    stops there with its name, unread. Nothing in ``directory`` is touched before every check has passed: a
+    checkpoint of other options, or one past ``--steps``, is refused."""
     world = run.world
     found = ckpt.list_checkpoints(directory)
     if not found:
@@ -612,6 +613,8 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
         raise ValueError(f"--resume: {path} was written {'under' if sharded else 'without'} FSDP2; resume it "
                          f"{'under torchrun with --distributed fsdp2' if sharded else 'without FSDP2'}")
     saved, now = state["config"], run.config.to_dict()
+        except ckpt.UnsafeCheckpoint as e:  # never run, never skipped for an older one: the user decides
+            raise ValueError(f"--resume: {e}; nothing in {directory} was changed") from None
     changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
     if changed:
         diff = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
@@ -701,6 +704,7 @@ def prepare(config: TrainConfig) -> Prepared:
     dist_.barrier(run.world)
     return Prepared(run, log, eval_before, out_dir, started)
 
+        out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty directory behind
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped :func:`fit`. ``clean``: every rank finished its step and ``checkpoint`` holds it; otherwise the
@@ -842,19 +846,22 @@ def train(config: TrainConfig) -> Summary:
 
 
 def _check_output_dir(config: TrainConfig, out_dir: Path, ckpt_dir: Path) -> None:
-    """The output directory exists (it is created) and takes files; a new run never silently overwrites an earlier
-    run's metrics and checkpoints. An earlier start that failed before its first step is no run."""
+    """The output directory takes files (it is not created: :func:`prepare` does that once every check has passed);
+    a new run never silently overwrites an earlier run's metrics and checkpoints, and ``--resume`` needs a
+    checkpoint to resume (as TRL's ``resume_from_checkpoint=True``). An earlier start that failed before its first
+    step is no run."""
     for path in (out_dir, ckpt_dir):
         if path.exists() and not path.is_dir():
             raise ValueError(f"TrainConfig.output_dir: {path} is a file, expected a directory")
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out_dir):
-            pass
-    except OSError as e:
-        raise ValueError(f"TrainConfig.output_dir: cannot create or write in {out_dir} ({e.strerror or e})") from None
+    ckpt.check_writable(out_dir, "TrainConfig.output_dir")
     metrics = out_dir / "metrics.jsonl"
-    earlier = ckpt.list_checkpoints(ckpt_dir) or (metrics.exists() and read_steps(metrics))
+    found = ckpt.list_checkpoints(ckpt_dir)
+    earlier = found or (metrics.exists() and read_steps(metrics))
+    if config.resume and not found:
+        where = f"{out_dir} does not exist" if not out_dir.exists() else f"no checkpoint in {ckpt_dir}"
+        instead = ("start over in it with --overwrite instead" if earlier
+                   else "start the run without --resume")
+        raise ValueError(f"--resume: nothing to resume ({where}); {instead}")
     if earlier and not (config.resume or config.overwrite):
         raise FileExistsError(
             f"TrainConfig.output_dir: {out_dir} already holds a run (metrics.jsonl or checkpoints); pass --resume to "
