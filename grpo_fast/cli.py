@@ -356,8 +356,8 @@ def _model_command(args: argparse.Namespace) -> int:
         output = Path(args.output) if args.output else Path(options.model) / RESULT_FILE
         if output.is_dir():
             raise ValueError(f"--output: expected a file path, got the directory {str(output)!r}")
-        result = evaluate_model(options)
         check_writable(output.parent, "--output" if args.output else "--output (default: inside --model)")
+        result = evaluate_model(options)
     except _INPUT_ERRORS as e:
         print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -368,7 +368,6 @@ def _model_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
 CONVERT_DESCRIPTION = """\
 Re-save a checkpoint of an older grpo-fast in the current format, which holds tensors and plain values only.
 
@@ -405,6 +404,7 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     code = _parsed_elsewhere(argv)
     if code is not None:
@@ -414,8 +414,8 @@ def _convert(args: argparse.Namespace) -> int:
     _train_parser(sub)
     _export_parser(sub)
     _eval_parser(sub)
-    _elsewhere_parsers(sub)
     _convert_parser(sub)
+    _elsewhere_parsers(sub)
     _doctor_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's parser says it: its prog, and the nearest of its own options

@@ -193,6 +193,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.top_k must be an int >= 0 (0: off), got {self.top_k!r}")
         if isinstance(self.lora_alpha, bool) or not isinstance(self.lora_alpha, int) or self.lora_alpha < 1:
             raise ValueError(f"TrainConfig.lora_alpha must be an int >= 1, got {self.lora_alpha!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("TrainConfig.resume and TrainConfig.overwrite exclude each other (resume continues the "
+                             "run in output_dir, overwrite deletes its checkpoints and starts over); pass one, got both")
         if self.merge_lora and not self.lora_r:
             raise ValueError("TrainConfig.merge_lora needs a LoRA run (lora_r > 0): a full fine-tune writes full "
                              "weights already; got lora_r=0")
@@ -201,9 +204,6 @@ class TrainConfig:
         bad = [w for w in self.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))
                or not math.isfinite(w)]
         if bad:
-        if self.resume and self.overwrite:
-            raise ValueError("TrainConfig.resume and TrainConfig.overwrite exclude each other (resume continues the "
-                             "run in output_dir, overwrite deletes its checkpoints and starts over); pass one, got both")
             raise ValueError(f"TrainConfig.reward_weights must be finite numbers, got {self.reward_weights!r}")
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"TrainConfig.reward_weights must have one weight per reward ({len(self.rewards)}: "

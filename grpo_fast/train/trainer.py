@@ -604,6 +604,8 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
         except ckpt.DamagedCheckpoint as e:
             logger.warning("--resume: skipping a damaged checkpoint: %s", e)
             damaged.append((path, e))
+        except ckpt.UnsafeCheckpoint as e:  # never run, never skipped for an older one: the user decides
+            raise ValueError(f"--resume: {e}; nothing in {directory} was changed") from None
     else:
         reasons = "; ".join(str(e) for _, e in damaged)
         raise ValueError(f"--resume: every checkpoint in {directory} is damaged ({reasons}); restore one from a "
@@ -613,8 +615,6 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
         raise ValueError(f"--resume: {path} was written {'under' if sharded else 'without'} FSDP2; resume it "
                          f"{'under torchrun with --distributed fsdp2' if sharded else 'without FSDP2'}")
     saved, now = state["config"], run.config.to_dict()
-        except ckpt.UnsafeCheckpoint as e:  # never run, never skipped for an older one: the user decides
-            raise ValueError(f"--resume: {e}; nothing in {directory} was changed") from None
     changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
     if changed:
         diff = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
@@ -695,6 +695,7 @@ def prepare(config: TrainConfig) -> Prepared:
         if config.overwrite and not config.resume:
             for _, path in ckpt.list_checkpoints(ckpt_dir):
                 ckpt.remove(path)
+        out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty directory behind
         (out_dir / "config.json").write_text(json.dumps(resolved, indent=2))
         log = MetricsLog(out_dir / "metrics.jsonl", truncate_after=run.step if resumed else 0)
         if resumed:
@@ -704,7 +705,6 @@ def prepare(config: TrainConfig) -> Prepared:
     dist_.barrier(run.world)
     return Prepared(run, log, eval_before, out_dir, started)
 
-        out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty directory behind
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C stopped :func:`fit`. ``clean``: every rank finished its step and ``checkpoint`` holds it; otherwise the
