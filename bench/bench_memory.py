@@ -28,12 +28,14 @@ RSS during the timed steps minus its RSS before them (``rss_step_mib``: it inclu
 and the step's own growth; compare it to ``peak_mib - start_mib``); on CUDA ``torch.cuda.max_memory_allocated``
 during the timed steps (``allocator_peak_mib``, absolute like ``peak_mib``).
 
-Output: a CSV (one row per configuration and phase, plus a ``step`` row: the highest phase) with the command line
+Output: a CSV (``grpo_fast_bench/memory_<device>.csv`` in the current directory unless ``--csv`` names one; one row
+per configuration and phase, plus a ``step`` row: the highest phase) with the command line
 that made it and the machine's load average before and after each configuration (the step times of a shared machine
 are only as good as its load; the tracked memory does not depend on it), and a PNG next to it: stacked bars of the
 components at each configuration's peak, the peak of each phase, and the step time by phase.
 
     grpo-fast bench memory                                  # the CPU default: 5 configurations, a few minutes
+    grpo-fast bench memory --csv bench/results/memory_cpu.csv   # the same, rewriting the committed CSV and PNG
     grpo-fast bench memory --device cuda --dtype bfloat16 --layers 8 --hidden 1024 --vocab 151936 ...
     grpo-fast bench memory --configs grpo_fused --lora-r 16 --gradient-checkpointing --csv /tmp/lora.csv
     python -m bench.bench_memory --replot                   # redraw the PNG from the CSV
@@ -68,6 +70,7 @@ CONFIGS = {
     "grpo_shared": dict(method="grpo", logits="fused", shared=True),
 }
 PHASES = ("rollout", "prepare", "forward", "backward", "optimizer")
+DEFAULT_DIR = "grpo_fast_bench"  # where a run writes without --csv: the committed results only when asked
 # what a phase makes outside the watched models: the loss's saved tensors, the backward's activation gradients and
 # AdamW's step temporaries
 PHASE_TAGS = {"rollout": "other", "prepare": "other", "forward": "activations", "backward": "activations",
@@ -505,7 +508,8 @@ def build_parser(prog: str = "python -m bench.bench_memory") -> argparse.Argumen
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration (default 1800)")
     p.add_argument("--csv", type=Path, default=None,
-                   help="output CSV (default bench/results/memory_<device>.csv; the PNG goes next to it)")
+                   help=f"output CSV (default {DEFAULT_DIR}/memory_<device>.csv in the current directory, never the "
+                        "committed bench/results/: name that here to rewrite it; the PNG goes next to the CSV)")
     p.add_argument("--replot", action="store_true", help="only redraw the PNG from --csv")
     return p
 
@@ -513,7 +517,7 @@ def build_parser(prog: str = "python -m bench.bench_memory") -> argparse.Argumen
 def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | None = None) -> int:
     args = build_parser(prog).parse_args(argv)
     device = torch.device(args.device)
-    csv_path = args.csv or harness.RESULTS_DIR / f"memory_{device.type}.csv"
+    csv_path = args.csv or Path(DEFAULT_DIR) / f"memory_{device.type}.csv"
     if args.replot:
         print(f"plot: {plot(csv_path)}")
         return 0

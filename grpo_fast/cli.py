@@ -184,7 +184,8 @@ Benchmarks that run from a source checkout (they live in bench/, which pip does 
 
   grpo-fast bench memory [OPTIONS]   GRPO vs PPO: one training step of each method, each in a fresh process, peak
                                      memory by component (weights, gradients, optimizer, activations, logits, critic,
-                                     KV cache) and step time; CSV + PNG in bench/results/. --help for the options.
+                                     KV cache) and step time; CSV + PNG in ./grpo_fast_bench/ (--csv
+                                     bench/results/memory_cpu.csv rewrites the committed one). --help for the options.
 """
 
 FIT_DESCRIPTION = ("the largest group size x completion length that fits a GPU, per method, for full fine-tuning, "
