@@ -761,6 +761,266 @@ def test_directories_without_permissions_are_removed():
     assert result.status == "ok", result.detail
 
 
+# ------------------------------------------------------------------------------------------------------ forgeries
+
+# Completions that try to score without computing f, g and h. The sandbox sees only the holes (f(2), g('abc'), ...),
+# never the expected values, which avoid the guessable ones (True, 0, 1, None, '', []). Each forgery runs under every
+# layer and under none: the verdict is the parent's, so it must not rest on any layer of the child.
+FORGERY_TESTS = [
+    "assert f(2) == 4",
+    "assert f(3) == 6 and f(-1) == -2",
+    "assert g('abc') == 'cba'",
+    "assert sorted(h([3, 1, 2])) == [1, 2, 3]",
+    "assert len(h([5, 6, 7])) == 3",
+    "assert abs(f(1.25) - 2.5) < 1e-9",
+    "import math\nassert math.isclose(f(1.5), 3.0)",
+    "assert g('xy') in ('yx', 'YX')",
+]
+SOLUTION = "def f(x):\n    return 2 * x\ndef g(s):\n    return s[::-1]\ndef h(xs):\n    return list(reversed(xs))\n"
+LAYER_CONFIGS = {"all-layers": frozenset(), "no-layers": frozenset({"audit-hook", "namespaces", "landlock", "seccomp"})}
+
+# What the forgeries share: the harness's frame (found from the completion's own), and a report in the right form for
+# every test (one outcome per hole, read from the harness's compiled steps) claiming the value `guess` throughout.
+FORGE = '''
+import json, os, sys
+
+GUESS = True
+
+
+def harness(frame):
+    while frame is not None and not ("send" in frame.f_locals and "steps" in frame.f_locals):
+        frame = frame.f_back
+    if frame is None:
+        raise LookupError("no harness frame")
+    return frame.f_locals
+
+
+def report(steps, guess=GUESS):
+    return [{"code": "ok"}] + [{"i": i, "r": [["v", guess] for kind, _ in test if kind == "eval"]}
+                               for i, test in enumerate(steps)]
+
+
+def forged_lines(steps, guess=GUESS):
+    return b"".join(json.dumps(message).encode() + b"\\n" for message in report(steps, guess))
+'''
+
+FORGERIES = {
+    # the probe's own forgery, verbatim: the reporting function, channel and line builder it used are gone
+    "probe": "import sys\nL = sys._getframe(1).f_locals\nL['write'](L['channel'], L['line']('pass', '0'))\n"
+             "L['write'](L['channel'], L['line']('done'))\nL['exit_now'](0)\n",
+    # the harness's own send, found by walking the frames, with a report in the right form, then an exit before the
+    # harness writes its own
+    "frames": FORGE + "L = harness(sys._getframe())\nfor m in report(L['steps']):\n    L['send'](m)\n"
+                      "L['exit_now'](0)\n",
+    "traceback": FORGE + "try:\n    raise RuntimeError\nexcept RuntimeError as e:\n"
+                         "    L = harness(e.__traceback__.tb_frame)\n"
+                         "for m in report(L['steps'], 'PASS'):\n    L['send'](m)\nos._exit(0)\n",
+    "inspect": FORGE + "import inspect\nL = harness(inspect.currentframe())\n"
+                       "assert any('send' in fi.frame.f_locals for fi in inspect.stack())\n"
+                       "os.write(L['channel'], forged_lines(L['steps'], 0))\nos._exit(0)\n",
+    "gc": FORGE + "import gc\nobjects = gc.get_objects()\n"
+                  "send = next(o for o in objects if getattr(o, '__name__', '') == 'send' and callable(o))\n"
+                  "steps = next(o for o in objects if type(o) is list and o and all(type(t) is list for t in o) and "
+                  "all(type(s) is tuple and s[:1] in (('exec',), ('eval',)) for t in o for s in t))\n"
+                  "assert gc.get_referrers(send)\nfor m in report(steps, None):\n    send(m)\nos._exit(0)\n",
+    # builtins, math, os.write and the JSON encoder replaced: every report the harness writes claims True
+    "monkeypatch": FORGE + (
+        "import builtins, math\n"
+        "builtins.len = lambda x: 3\nbuiltins.sorted = lambda x, **k: [1, 2, 3]\nbuiltins.abs = lambda x: 0\n"
+        "math.isclose = lambda *a, **k: True\n"
+        "real_write, real_encode = os.write, json.JSONEncoder.encode\n"
+        "def forged_write(fd, data):\n    return real_write(fd, data.replace(b'\"x\"', b'\"v\"'))\n"
+        "def forged_encode(self, o):\n"
+        "    if type(o) is dict and 'r' in o:\n        o = {'i': o['i'], 'r': [['v', True] for _ in o['r']]}\n"
+        "    return real_encode(self, o)\n"
+        "os.write, json.JSONEncoder.encode = forged_write, forged_encode\n"
+        "def f(x):\n    return 'forged'\ng = h = f\n"),
+    # a thread that writes reports (even one holding test 0's right value) to every descriptor while the tests run
+    "thread": "import os, threading, time\n"
+              "def spam():\n    while True:\n        for fd in range(3, 32):\n            try:\n"
+              "                os.write(fd, b'{\"i\": 0, \"r\": [[\"v\", 4]]}\\n{\"code\": \"ok\"}\\n')\n"
+              "            except OSError:\n                pass\n        time.sleep(0.001)\n"
+              "threading.Thread(target=spam, daemon=True).start()\ntime.sleep(0.05)\n"
+              "def f(x):\n    time.sleep(0.01)\n    return 'forged'\ng = h = f\n",
+    "atexit": FORGE + "import atexit\nL = harness(sys._getframe())\n"
+                      "atexit.register(lambda: os.write(L['channel'], forged_lines(L['steps'])))\nsys.exit(0)\n",
+    # a trace (or profile) function rewrites the harness's message before it is sent
+    "settrace": FORGE + "def tracer(frame, event, arg):\n    m = frame.f_locals.get('message')\n"
+                        "    if type(m) is dict and 'r' in m:\n"
+                        "        frame.f_locals['message'] = {'i': m['i'], 'r': [['v', GUESS] for _ in m['r']]}\n"
+                        "    return tracer\nsys.settrace(tracer)\nsys._getframe(1).f_trace = tracer\n",
+    "setprofile": FORGE + "def profiler(frame, event, arg):\n    m = frame.f_locals.get('message')\n"
+                          "    if event == 'call' and type(m) is dict and 'r' in m:\n"
+                          "        frame.f_locals['message'] = {'i': m['i'], 'r': [['v', GUESS] for _ in m['r']]}\n"
+                          "sys.setprofile(profiler)\n",
+    # objects that are equal to, less and greater than, and as long as everything
+    "lying-object": "class Liar:\n    def __eq__(self, other):\n        return True\n"
+                    "    def __ne__(self, other):\n        return False\n    __lt__ = __le__ = __gt__ = __ge__ = __eq__\n"
+                    "    def __hash__(self):\n        return 0\n    def __bool__(self):\n        return True\n"
+                    "    def __repr__(self):\n        return '4'\n    def __len__(self):\n        return 3\n"
+                    "    def __sub__(self, other):\n        return 0\n    __rsub__ = __sub__\n"
+                    "    def __abs__(self):\n        return 0\n    def __float__(self):\n        return 3.0\n"
+                    "    def __contains__(self, item):\n        return True\n"
+                    "def f(x):\n    return Liar()\ng = h = f\n",
+    "lying-subclasses": "class I(int):\n    def __eq__(self, other):\n        return True\n"
+                        "    __hash__ = int.__hash__\n    __class__ = property(lambda self: int)\n"
+                        "class S(str):\n    def __eq__(self, other):\n        return True\n    __hash__ = str.__hash__\n"
+                        "class L(list):\n    def __eq__(self, other):\n        return True\n"
+                        "    def __len__(self):\n        return 3\n"
+                        "def f(x):\n    return I(0)\ndef g(s):\n    return S('')\ndef h(xs):\n    return L()\n",
+    "os-exit": "import os\nos._exit(0)\n",
+    "sys-exit": "import sys\nsys.exit(0)\n",
+    "exit-in-a-test": "def f(x):\n    import os\n    os._exit(0)\ng = h = f\n",
+    # the right values, printed as report lines on stdout and stderr (which are never read for results)
+    "print": "import sys, json\nlines = [{'code': 'ok'}, {'i': 0, 'r': [['v', 4]]}, {'i': 1, 'r': [['v', 6], ['v', -2]]}]\n"
+             "for m in lines:\n    print(json.dumps(m))\n    print(json.dumps(m), file=sys.stderr)\n"
+             "print('pass 0\\ndone')\n",
+    "every-fd": "import os, json\nold = b'pass 0\\npass 1\\ndone\\n'\n"
+                "new = b'{\"code\": \"ok\"}\\n' + b''.join(json.dumps({'i': i, 'r': [['v', True]] * 2}).encode() + "
+                "b'\\n' for i in range(8))\n"
+                "for fd in range(256):\n    try:\n        os.write(fd, old + new)\n    except OSError:\n        pass\n"
+                "def f(x):\n    return 'forged'\ng = h = f\n",
+    "del": "class Bomb:\n    def __del__(self):\n        import os\n        for fd in range(3, 16):\n            try:\n"
+           "                os.write(fd, b'{\"i\": 0, \"r\": [[\"v\", 4]]}\\n')\n            except OSError:\n"
+           "                pass\n        raise SystemExit(0)\n"
+           "def f(x):\n    return Bomb()\ng = h = f\n",
+    "huge-values": "def f(x):\n    return 'x' * (64 << 20)\ndef g(s):\n    return list(range(10 ** 6))\n"
+                   "def h(xs):\n    return iter(lambda: 1, 2)  # an endless iterator\n",
+    "huge-line": FORGE + "L = harness(sys._getframe())\nos.write(L['channel'], b'[' * (16 << 20))\nos._exit(0)\n",
+    # no expected value is anywhere the completion can look: the frames, the heap, the process's memory
+    "search-memory": (
+        "import gc, re, sys\nfrom types import CodeType\n"
+        "MARK = re.compile('zq-expected-[0-9a-f]{6}')  # matches neither this line nor its own pattern\n"
+        "def strings(value, seen, depth=0):\n    if id(value) in seen or depth > 6:\n        return\n"
+        "    seen.add(id(value))\n    if type(value) is str:\n        yield value\n"
+        "    elif type(value) in (list, tuple, set, frozenset):\n"
+        "        for item in list(value):\n            yield from strings(item, seen, depth + 1)\n"
+        "    elif type(value) is dict:\n        for item in (*value.keys(), *value.values()):\n"
+        "            yield from strings(item, seen, depth + 1)\n"
+        "    elif type(value) is CodeType:\n        yield from strings(value.co_consts, seen, depth + 1)\n"
+        "def everything():\n    frame = sys._getframe()\n    while frame is not None:\n"
+        "        yield frame.f_locals\n        yield frame.f_globals\n        yield frame.f_code\n"
+        "        frame = frame.f_back\n    yield dict(sys.modules)\n"
+        "    try:\n        yield gc.get_objects()\n    except PermissionError:\n        pass\n"
+        "def memory():  # the whole address space, where /proc is open to it (no Landlock, no audit hook)\n"
+        "    try:\n        maps = open('/proc/self/maps').read().splitlines()\n"
+        "        mem = open('/proc/self/mem', 'rb')\n    except OSError:\n        return\n"
+        "    for line in maps:\n        start, end = (int(a, 16) for a in line.split()[0].split('-'))\n"
+        "        try:\n            mem.seek(start)\n            chunk = mem.read(min(end - start, 1 << 26))\n"
+        "        except (OSError, OverflowError, ValueError):\n            continue\n"
+        "        found = re.search(MARK.pattern.encode(), chunk)\n        if found:\n"
+        "            yield found.group().decode()\n"
+        "def f(x):\n    seen = set()\n    for root in everything():\n        for text in strings(root, seen):\n"
+        "            if MARK.fullmatch(text):\n                return text\n"
+        "    for text in memory():\n        return text\n    return None\ng = h = f\n"),
+}
+MARKER_TEST = "assert f(0) == 'zq-expected-7f3a9c'"  # search-memory's f returns the first 'zq-...' string it finds
+
+
+@pytest.mark.parametrize(("config", "where"), [("all-layers", "objects"), ("no-layers", "objects"),
+                                               ("no-layers", "memory")])
+def test_the_memory_search_finds_what_the_sandbox_holds(config, where):
+    # The control for search-memory: a string the sandbox does hold (in a hole: an argument) is found, by the walk
+    # over frames, modules and the heap, and (where /proc is open to it) by reading the process's memory alone.
+    code = FORGERIES["search-memory"]
+    if where == "memory":
+        code = code.replace("    for root in everything():", "    for root in ():")
+    tests = [MARKER_TEST, "assert g('zq-expected-7f3a9c') == 1"]
+    result, _ = sandbox._run_child(code, tests, ROOMY, LAYER_CONFIGS[config])
+    assert result.passed == 1, result.detail
+    assert "test 1 failed: assert g('zq-expected-7f3a9c') == 1: it is False (with g('zq-expected-7f3a9c') = " \
+           "'zq-expected-7f3a9c')" in result.detail
+
+
+@pytest.mark.parametrize("config", LAYER_CONFIGS)
+def test_the_solution_scores_one_under_every_configuration(config):
+    result, _ = sandbox._run_child(SOLUTION, FORGERY_TESTS, ROOMY, LAYER_CONFIGS[config])
+    assert (result.passed, result.total, result.status) == (len(FORGERY_TESTS), len(FORGERY_TESTS), "ok"), result.detail
+
+
+@pytest.mark.parametrize("config", LAYER_CONFIGS)
+@pytest.mark.parametrize("forgery", FORGERIES)
+def test_forgeries_score_zero(forgery, config):
+    before = _resident_bytes()
+    start = time.monotonic()
+    tests = [*FORGERY_TESTS, MARKER_TEST]
+    result, layers = sandbox._run_child(FORGERIES[forgery], tests, ROOMY, LAYER_CONFIGS[config])
+    assert time.monotonic() - start < ROOMY.timeout_s + MARGIN_S, result
+    assert _sandbox_processes() == []
+    assert (result.passed, result.total) == (0, len(tests)), result.detail
+    assert result.fraction == 0.0
+    assert result.status in ("failed", "error", "output_limit"), result.detail
+    assert _resident_bytes() - before < 32 << 20  # a huge value or line costs the parent nothing
+    assert ("audit-hook" in layers) == (config == "all-layers")
+
+
+def test_forgeries_say_why_they_failed():
+    # the reasons, for the forgeries each kind of defence stops
+    cases = {
+        "frames": "test 0 failed: assert f(2) == 4: it is False (with f(2) = True)",
+        "lying-object": "test 0 failed: assert f(2) == 4: f(2) not plain: a Liar is not plain data",
+        "lying-subclasses": "f(2) not plain: a I is not plain data",
+        "every-fd": "the sandbox's report broke protocol",
+        "thread": "the sandbox's report broke protocol",
+        "huge-values": "g('abc') not plain: the values of one test take more than 1048576 characters once encoded",
+        "huge-line": "the sandbox's report broke protocol (a line longer than the",
+        "exit-in-a-test": "the interpreter exited with code 0 before answering every test",
+        "gc": "gc.get_objects is not allowed",
+    }
+    for forgery, reason in cases.items():
+        result = _timed_run(FORGERIES[forgery], FORGERY_TESTS)
+        assert result.passed == 0 and reason in result.detail, (forgery, result.detail)
+
+
+@pytest.mark.parametrize("noise", [
+    "import sys\nprint('{\"code\": \"ok\"}')\nprint('pass 0\\ndone', file=sys.stderr)\n",
+    "import atexit, os\natexit.register(os.write, 1, b'pass 0\\n')\n",
+    "import threading, time\nthreading.Thread(target=lambda: [time.sleep(0.001) or print('x') for _ in range(50)],"
+    " daemon=True).start()\n",
+    "class Noisy:\n    def __del__(self):\n        raise RuntimeError('from __del__')\n"
+    "junk = [Noisy() for _ in range(3)]\ndel junk\n",
+], ids=["fake-lines-on-stdout", "atexit", "thread", "del-raises"])
+def test_a_correct_solution_with_noise_still_scores_one(noise):
+    result = _timed_run(noise + SOLUTION, FORGERY_TESTS)
+    assert (result.passed, result.status) == (len(FORGERY_TESTS), "ok"), result.detail
+
+
+def test_a_constant_answer_gets_only_the_checks_it_answers():
+    # The sandbox evaluates is_even(7) for `assert not is_even(7)`: it never sees the `not`, so an is_even that
+    # always says True passes the positive check and fails the negative one (the parent wants False there).
+    tests = ["assert is_even(10)", "assert not is_even(7)", "assert is_even(7) == False", "assert is_even(4) is True"]
+    always = _timed_run("def is_even(n):\n    return True\n", tests)
+    assert (always.passed, always.status) == (2, "failed")
+    # 1 and 0: where the test takes a truth value they are not True or False; `== False` compares as Python does
+    truthy = _timed_run("def is_even(n):\n    return 1 - n % 2\n", tests)
+    assert truthy.passed == 1
+    assert "test 1 failed: assert not is_even(7): a truth value must be True or False, got 0 (int)" in truthy.detail
+    right = _timed_run("def is_even(n):\n    return n % 2 == 0\n", tests)
+    assert right.passed == 4
+
+
+def test_values_of_every_plain_type_come_back():
+    code = ("def values():\n    return (None, True, -3, 2 ** 100, 0.5, float('inf'), 1 + 2j, 'é\\n\"', b'\\x00\\xff', [1, [2]],"
+            " (3,), {'a': (1, 2), 3: None}, {1, 2}, frozenset({'x'}), range(1, 9, 2))\n"
+            "def gen():\n    yield from range(3)\n")
+    tests = ["assert values() == (None, True, -3, 2 ** 100, 0.5, float('inf'), 1 + 2j, 'é\\n\"', b'\\x00\\xff', [1, [2]],"
+             " (3,), {'a': (1, 2), 3: None}, {1, 2}, frozenset({'x'}), range(1, 9, 2))",
+             "assert list(gen()) == [0, 1, 2]",
+             "assert gen() != [0, 1, 2]",  # an iterator, as in Python: not equal to a list
+             "assert math.isnan(float('nan')) and values()[5] > 10 ** 300"]
+    result = _timed_run(code, tests)
+    assert result.status == "ok", result.detail
+
+
+def test_a_test_the_parent_cannot_judge_is_refused_before_anything_runs():
+    with pytest.raises(ValueError, match=r"tests\[1\] must be assert statements the parent can judge \(and imports\): "
+                                         r"the For statement on line 1 would run in the sandbox"):
+        run_tests(DOUBLE, ["assert f(1) == 2", "for x in range(3):\n    assert f(x) == 2 * x"])
+    with pytest.raises(ValueError, match=r"code_reward: tests\[1\]\[0\] must be assert statements .*both sides of "
+                                         r"'f\(1\) == f\(2\)' come from the sandbox"):
+        code_reward(["p", "p"], [DOUBLE, DOUBLE], [["assert f(1) == 2"], ["assert f(1) == f(2)"]])
+
+
 # -------------------------------------------------------------------------------------------------- code_reward
 
 

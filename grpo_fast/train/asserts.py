@@ -181,7 +181,7 @@ class _Splitter:
             elif isinstance(statement, ast.Assert):
                 checks.append(Check(ast.unparse(statement.test), self._split(statement.test, frozenset())))
             else:
-                raise _Refused(f"a {type(statement).__name__} statement (line {statement.lineno}) would run in the "
+                raise _Refused(f"the {type(statement).__name__} statement on line {statement.lineno} would run in the "
                                "sandbox, where the code under test can change what it computes")
         if not checks:
             raise _Refused("it holds no assert")

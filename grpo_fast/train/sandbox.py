@@ -378,15 +378,16 @@ class _Reports:
         self._pending += data
         while self.broken is None:
             end = self._pending.find(b"\n", searched)
-            length = len(self._pending) if end < 0 else end
-            if length > self._line_limit():
+            if (len(self._pending) if end < 0 else end) > self._line_limit():
                 self.broken = f"a line longer than the {self._line_limit()} bytes it may take"
-            if end < 0 or self.broken is not None:
+            elif end < 0:
                 return
-            line = bytes(self._pending[:end])
-            del self._pending[: end + 1]
-            searched = 0
-            self._handle(line)
+            else:
+                line = bytes(self._pending[:end])
+                del self._pending[: end + 1]
+                searched = 0
+                self._handle(line)
+        self._pending.clear()  # nothing more the child says counts, and it must not fill the parent's memory
 
     def _handle(self, line: bytes) -> None:
         try:
