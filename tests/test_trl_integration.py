@@ -549,20 +549,3 @@ def test_missing_trl_gives_a_clear_error():
     assert proc.returncode == 0, proc.stderr
     assert "needs TRL >= 1.16" in proc.stdout and "pip install 'grpo-fast[trl]'" in proc.stdout
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Documentation
-
-
-def test_recipes_run():
-    """Every python block of docs/recipes.md, in order, in one namespace (they assert their own results)."""
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parent.parent / "docs" / "recipes.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
-    assert len(blocks) >= 5
-    namespace = {}
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"docs/recipes.md, python block {i + 1}", "exec"), namespace)
-    assert namespace["out"].loss.isfinite()
