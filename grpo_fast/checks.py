@@ -1,5 +1,6 @@
 """Input validation at the public boundary (DESIGN.md §9): every error names the argument, what was expected and
-what came. Value checks (finiteness, id ranges) read the data once; they are skipped while torch.compile traces."""
+what came. Value checks (finiteness, ranges, id ranges) read the data once; they are skipped while torch.compile
+traces."""
 
 from __future__ import annotations
 

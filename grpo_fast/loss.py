@@ -110,11 +110,13 @@ def grpo_loss(
     hidden: ``[B, T, H]`` where ``hidden[:, t]`` predicts ``target_ids[:, t]``; weight: ``[V, H]``; bias: ``[V]``;
     target_ids, completion_mask, old_logps, ref_logps: ``[B, T]``; advantages: ``[B]`` or ``[B, T]``;
     sampling_ratio: ``[B, T]`` or ``[B, 1]`` (vLLM importance-sampling weights). ``old_logps=None`` means one update
-    per generation (the ratio is 1, its gradient is not). ``num_items_in_batch``: the token denominator of
-    dapo/cispo/vespo (None: this micro-batch's masked tokens; values below 1 count as 1); pass the global count so
-    gradient accumulation matches one large batch. It must be finite and > 0: a Python or numpy number (checked for
-    free) or a one-element tensor (checked on the host: one device sync for a CUDA tensor; see
-    ``grpo_fast.checks.check_count``). Returns ``LossOutput``.
+    per generation (the ratio is 1, its gradient is not). Values: old_logps and ref_logps must be log-probabilities
+    (finite and <= ``checks.LOGPROB_SLACK``) where completion_mask is 1, anything at padding; sampling_ratio finite
+    and >= 0 everywhere; for dr_grpo no token may be counted past ``config.max_completion_length`` columns.
+    ``num_items_in_batch``: the token denominator of dapo/cispo/vespo (None: this micro-batch's masked tokens; values
+    below 1 count as 1); pass the global count so gradient accumulation matches one large batch. It must be finite
+    and > 0: a Python or numpy number (checked for free) or a one-element tensor (checked on the host: one device sync
+    for a CUDA tensor; see ``grpo_fast.checks.check_count``). Returns ``LossOutput``.
 
     Gradients: the loss is differentiable w.r.t. hidden, weight and bias. ``advantages``, ``old_logps``,
     ``ref_logps`` and ``sampling_ratio`` are constants of the objective, as in TRL (which computes them without
@@ -160,6 +162,7 @@ def grpo_loss_from_logps(
 ) -> LossOutput:
     """``grpo_loss`` for pipelines that already have per-token log-probs ``logps [B, T]`` (differentiable).
 
+    ``logps`` must be log-probabilities where completion_mask is 1, as ``old_logps`` (see ``grpo_loss``).
     ``entropy [B, T]`` is needed for ``top_entropy_quantile < 1`` and ``entropy_coef != 0`` (and for the entropy
     metric). ``config.temperature``/``softcap`` are not applied here: they belong to whoever computed ``logps``.
     Differentiable w.r.t. ``logps`` and ``entropy``; the other tensors are constants (see ``grpo_loss``).

@@ -329,7 +329,8 @@ def test_from_logps_needs_entropy_for_entropy_options():
     logps, adv, mask = -torch.rand(2, 5), torch.randn(2), torch.ones(2, 5)
     with pytest.raises(ValueError, match="need entropy"):
         grpo_loss_from_logps(logps, adv, mask, config=GRPOLossConfig(top_entropy_quantile=0.2))
-    with pytest.raises(ValueError, match=r"grpo_loss_from_logps: logps must be log-probabilities \(finite and <= 0.001\)"):
+    with pytest.raises(ValueError, match=r"grpo_loss_from_logps: logps must be log-probabilities \(finite and <= "
+                                         r"0.001\)"):
         grpo_loss_from_logps(torch.full((2, 5), float("nan")), adv, mask)
 
 

@@ -278,7 +278,7 @@ def test_loss_terms_capture_in_a_cuda_graph(loss_type):
     B, T = 4, 37
     logps = -torch.rand(B, T, device="cuda", generator=gen)
     config = GRPOLossConfig(loss_type=loss_type, beta=0.04, top_entropy_quantile=0.5)
-    old, ref, ent = logps + 0.01, logps - 0.02, torch.rand(B, T, device="cuda", generator=gen)
+    old, ref, ent = (logps + 0.01).clamp(max=0.0), logps - 0.02, torch.rand(B, T, device="cuda", generator=gen)
     adv = torch.randn(B, device="cuda", generator=gen)
     mask = torch.rand(B, T, device="cuda", generator=gen) > 0.2
     want = grpo_loss_from_logps(logps, adv, mask, old_logps=old, ref_logps=ref, entropy=ent, config=config).loss
