@@ -443,3 +443,13 @@ def test_the_default_run_prints_no_duplicate_line_no_library_bar_and_logs_above_
     assert any("shared-prefix forward on at step 1" in line for line in logged), err
     for line in logged:  # what the terminal shows of a line is what follows its last carriage return
         assert re.match(r"\d\d:\d\d:\d\d grpo_fast\.train: ", line.rsplit("\r", 1)[-1]), repr(line)
+
+
+def test_a_tokenizer_directory_that_is_not_there_is_one_line(tmp_path, capsys):
+    from train_helpers import save_local_model
+
+    model = save_local_model(tmp_path / "model", "qwen2", None)
+    line = _last_error_line(capsys, ["train", *TINY, "--model", model, "--tokenizer", str(tmp_path / "nope"),
+                                     "--output-dir", str(tmp_path / "run")], 2)
+    assert line == (f"grpo-fast train: error: --tokenizer: expected a directory holding a tokenizer, got "
+                    f"'{tmp_path / 'nope'}' (not a directory; grpo-fast never downloads)")

@@ -75,6 +75,9 @@ def load_tokenizer(path: str | Path, option: str = "tokenizer"):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{option}: expected a directory holding a tokenizer, got {str(path)!r} (not a "
+                                "directory; grpo-fast never downloads)")
     hint = f"save the model's tokenizer there with tokenizer.save_pretrained({str(path)!r})"
     if not any(_TOKENIZER_FILE.fullmatch(f.name) for f in path.iterdir()):
         raise ValueError(f"{option}: {path} holds no tokenizer (no tokenizer.json, tokenizer_config.json, "
