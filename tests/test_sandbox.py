@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -739,6 +740,48 @@ def test_fake_pass_markers_gain_nothing():
     result = _timed_run(code, ["assert False", "assert 1 == 2"])
     assert (result.passed, result.status) == (0, "error")
     assert "the sandbox's report broke protocol" in result.detail
+
+
+REPORT_TESTS = ["assert f(1) == 2", "import math\nassert g(1) == 3 and g(2) == 4"]
+LAYERS_LINE, CODE_OK = b'{"layers":["rlimits"]}\n', b'{"code":"ok"}\n'
+TEST_0, TEST_1 = b'{"i":0,"r":[["v",2]]}\n', b'{"i":1,"r":[["v",3],["v",4]]}\n'
+
+
+@pytest.mark.parametrize(("stream", "passed", "status", "broken"), [
+    (LAYERS_LINE + CODE_OK + TEST_0 + TEST_1, 2, "ok", None),
+    (LAYERS_LINE + CODE_OK + TEST_0 + b'{"i":1,"r":[["v",3],["x","KeyError: 2"]]}\n', 1, "failed", None),
+    (LAYERS_LINE + CODE_OK + TEST_0 + b'{"i":1,"e":"ImportError: no math"}\n', 1, "failed", None),
+    (LAYERS_LINE + b'{"code":"error"}\n', 0, "error", None),
+    (LAYERS_LINE + CODE_OK + TEST_0, 1, "error", None),  # the child exited before answering test 1
+    (LAYERS_LINE + CODE_OK + TEST_1, 0, "error", "test 0's line missing or out of order"),
+    (LAYERS_LINE + CODE_OK + TEST_0 + TEST_0 + TEST_1, 0, "error", "test 1's line missing or out of order"),
+    (LAYERS_LINE + CODE_OK + TEST_0 + TEST_1 + TEST_1, 0, "error", "a line after the last one"),
+    (LAYERS_LINE + b'{"code":"error"}\n' + TEST_0, 0, "error", "a line after the last one"),
+    (LAYERS_LINE + CODE_OK + b'{"i":false,"r":[["v",2]]}\n', 0, "error", "test 0's line missing or out of order"),
+    (LAYERS_LINE + CODE_OK + b'{"i":0,"r":[["v",2],["v",2]]}\n', 0, "error", "test 0's line is not 1 outcomes"),
+    (LAYERS_LINE + CODE_OK + b'{"i":0,"r":[["v",{"object":[]}]]}\n', 0, "error", "test 0's values do not parse"),
+    (LAYERS_LINE + CODE_OK + b'{"i":0,"r":[["ok",2]]}\n', 0, "error", "test 0's values do not parse"),
+    (LAYERS_LINE + CODE_OK + b'{"i":0,"r":[["v",2]],"pass":true}\n', 0, "error", "test 0's line is not 1 outcomes"),
+    (LAYERS_LINE + CODE_OK + b'pass 0\n', 0, "error", "a line that is not JSON"),
+    (CODE_OK + TEST_0, 0, "error", "a first line other than the layers"),
+    (LAYERS_LINE + TEST_0, 0, "error", "a second line other than how the completion ran"),
+    (LAYERS_LINE + CODE_OK + TEST_0 + b"[" * (2 << 20), 0, "error", "a line longer than the 1051648 bytes it may take"),
+], ids=["in-order", "a-hole-raised", "imports-raised", "code-error", "unanswered", "skipped", "repeated", "extra",
+        "after-error", "bool-index", "wrong-length", "bad-value", "bad-outcome", "extra-key", "not-json", "no-layers",
+        "no-code-line", "too-long"])
+def test_the_report_is_the_results_in_order_or_nothing(stream, passed, status, broken):
+    # what the parent makes of a report channel carrying `stream`, whole and cut anywhere, from a child that exited 0
+    for chunk in (len(stream), 7):
+        reports = sandbox._Reports(sandbox.parse_tests(REPORT_TESTS, "tests"))
+        for start in range(0, len(stream), chunk):
+            reports.feed(stream[start : start + chunk])
+        assert reports.broken is None if broken is None else reports.broken.startswith(broken), reports.broken
+        assert len(reports._pending) <= 1 << 16  # a broken report keeps nothing of what follows
+        streams = types.SimpleNamespace(output_bytes=0, stderr_tail=b"")
+        result = sandbox._verdict(0, None, streams, reports, len(REPORT_TESTS), ROOMY)
+        assert (result.passed, result.status) == (passed, status), result.detail
+        if broken is not None:
+            assert f"the sandbox's report broke protocol ({broken}" in result.detail
 
 
 def test_rebinding_builtins_does_not_fake_passes():

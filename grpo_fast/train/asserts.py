@@ -10,7 +10,7 @@ A test is a string of ``assert`` statements, with ``import`` statements among th
 :func:`parse_test` reads it in the parent (``ast``) and cuts each assert's expression in two. The *holes* are the
 parts that use the code under test: each maximal chain of names, calls, attributes and subscripts that starts at a
 name of the completion (``add(2, 3)``, ``primes_below(10)``, ``Stack([1]).pop()``, ``result[0]``). The sandbox
-evaluates only those, in the completion's namespace and in source order, and sends back their values as plain data
+evaluates only those, in the completion's namespace and in the order Python would, and sends back their values as plain data
 (:mod:`grpo_fast.train.plain_data`). Everything else (the literals, the operators, the comparisons, ``not``,
 ``and``, ``or``, and the builtins and ``math`` functions in :data:`PARENT_BUILTINS` and :data:`PARENT_MODULES`,
 lambdas and comprehensions over them, the methods in ``_METHODS`` called on values the parent computed) never
@@ -53,6 +53,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from grpo_fast.train.plain_data import check_hashes
+
 __all__ = ["PARENT_BUILTINS", "PARENT_MODULES", "Check", "TestPlan", "judge", "parse_test", "parse_tests"]
 
 _TYPES = (bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, range)
@@ -64,7 +66,7 @@ PARENT_BUILTINS: dict[str, Any] = {fn.__name__: fn for fn in (
 PARENT_MODULES: dict[str, dict[str, Any]] = {"math": {name: getattr(math, name) for name in (
     "pi", "e", "tau", "inf", "nan", "isclose", "isnan", "isinf", "isfinite", "fabs", "floor", "ceil", "trunc",
     "sqrt", "isqrt", "exp", "log", "log2", "log10", "pow", "sin", "cos", "tan", "asin", "acos", "atan", "atan2",
-    "hypot", "degrees", "radians", "gcd", "lcm", "copysign", "fsum", "fmod", "remainder")}}
+    "hypot", "degrees", "radians", "gcd", "copysign", "fsum", "fmod", "remainder")}}
 # Methods the parent calls on the values it has (never on a hole: there the call is part of the hole).
 _METHODS: dict[type, frozenset[str]] = {
     str: frozenset({
@@ -86,10 +88,12 @@ _METHODS: dict[type, frozenset[str]] = {
 }
 _METHODS[frozenset] = _METHODS[set]
 _METHOD_NAMES = frozenset().union(*_METHODS.values())
+_HASHING_METHODS = frozenset({"difference", "intersection", "isdisjoint", "issubset", "issuperset",
+                              "symmetric_difference", "union"})  # those that build a set of their arguments
 _SINGLETONS = (None, True, False, ...)
 
 # Bounds on what the parent computes (the holes' values come from the code under test)
-_MAX_ITEMS = 1 << 22  # longest sequence a repetition or a range may make
+_MAX_ITEMS = 1 << 20  # longest sequence a repetition or a range may make
 _MAX_BITS = 1 << 22  # largest int ** and << may make
 _MAX_STEPS = 1_000_000  # most expression nodes (lambda calls and comprehension items included) one check evaluates
 
@@ -148,8 +152,11 @@ def parse_test(source: str, where: str = "test") -> TestPlan:
     ``where`` for a test the parent cannot judge."""
     try:
         body = ast.parse(source, mode="exec").body
-    except (SyntaxError, ValueError) as e:  # ValueError: a null byte
-        raise ValueError(f"{where} must be Python code (assert statements), got {source!r:.200}: {e}") from None
+    except SyntaxError as e:
+        raise ValueError(f"{where} must be Python code (assert statements): {e.msg} on line {e.lineno}; got "
+                         f"{source!r:.200}") from None
+    except ValueError as e:  # a null byte
+        raise ValueError(f"{where} must be Python code (assert statements): {e}; got {source!r:.200}") from None
     except (MemoryError, RecursionError):
         raise ValueError(f"{where} is nested too deeply to parse, got {source!r:.200}") from None
     try:
@@ -491,15 +498,18 @@ class _Evaluator:
                 items = []
                 for e in elts:
                     items.extend(ev(e.value, env)) if isinstance(e, ast.Starred) else items.append(ev(e, env))
-                return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+                if isinstance(node, ast.Set):
+                    return set(check_hashes(items))
+                return tuple(items) if isinstance(node, ast.Tuple) else items
             case ast.Dict(keys=keys, values=values):
-                out = {}
+                pairs = []
                 for key, value in zip(keys, values):
                     if key is None:
-                        out.update(ev(value, env))
+                        pairs.extend(dict(ev(value, env)).items())
                     else:
-                        out[ev(key, env)] = ev(value, env)
-                return out
+                        pairs.append((ev(key, env), ev(value, env)))
+                check_hashes(key for key, _ in pairs)
+                return dict(pairs)
             case ast.Lambda(args=args, body=body):
                 return self._lambda([a.arg for a in (*args.posonlyargs, *args.args)], body, env)
             case ast.GeneratorExp(elt=elt, generators=generators):
@@ -507,15 +517,26 @@ class _Evaluator:
             case ast.ListComp(elt=elt, generators=generators):
                 return [ev(elt, inner) for inner in self._loops(generators, 0, env)]
             case ast.SetComp(elt=elt, generators=generators):
-                return {ev(elt, inner) for inner in self._loops(generators, 0, env)}
+                return set(check_hashes(ev(elt, inner) for inner in self._loops(generators, 0, env)))
             case ast.DictComp(key=key, value=value, generators=generators):
-                return {ev(key, inner): ev(value, inner) for inner in self._loops(generators, 0, env)}
+                pairs = [(ev(key, inner), ev(value, inner)) for inner in self._loops(generators, 0, env)]
+                check_hashes(k for k, _ in pairs)
+                return dict(pairs)
         raise _Failed(f"the parent does not evaluate {type(node).__name__}")  # the splitter refuses these
 
     def _module(self, node: ast.expr, env: dict[str, Any]) -> Any:
         return self._names.get(node.id) if isinstance(node, ast.Name) and node.id not in env else None
 
     def _call(self, fn: Callable, args: list, kwargs: dict) -> Any:
+        # every set and dict the parent builds is checked for colliding hashes first (plain_data.check_hashes)
+        if fn in (set, frozenset) and args:
+            args = [check_hashes(args[0]), *args[1:]]
+        elif fn is dict and args and type(args[0]) is not dict:
+            pairs = [tuple(pair) for pair in args[0]]
+            check_hashes(pair[0] for pair in pairs if len(pair) == 2)
+            args = [pairs, *args[1:]]
+        elif type(getattr(fn, "__self__", None)) in (set, frozenset) and fn.__name__ in _HASHING_METHODS:
+            args = [check_hashes(arg) for arg in args]
         if fn is range:
             made = range(*args, **kwargs)
             if len(made) > _MAX_ITEMS:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from grpo_fast.train.asserts import parse_tests
 from grpo_fast.train.sandbox import json_test_list
 
 Prompt = str | list[dict[str, str]]
@@ -49,8 +50,9 @@ def _check_row(row: Any, where: str, prompt_column: str, required: Sequence[str]
             f"{where}: column {prompt_column!r} must be a string or a non-empty list of chat messages "
             f"{{'role': str, 'content': str}}, got {prompt!r:.200}"
         )
-    if "tests" in required:  # the code reward's column
+    if "tests" in required:  # the code reward's column, each test read as the code reward reads it
         row["tests"] = _tests_column(row["tests"], where)
+        parse_tests(row["tests"] or [], f"{where}: column 'tests'")
     return row
 
 

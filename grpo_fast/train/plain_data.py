@@ -24,6 +24,9 @@ MAX_DEPTH = 64  # the deepest nesting of containers either side accepts
 # most this much plus LINE_OVERHEAD per value (for its framing and an error message): past that, the report is broken.
 MAX_VALUE_CHARS = 1 << 20
 LINE_OVERHEAD = 1024
+# The most distinct members of one set (or keys of one dict) that may share a hash. Hashes of ints, floats and tuples
+# are not randomised, so values chosen to collide would make building the set take quadratic time in the parent.
+MAX_SHARED_HASH = 8
 
 _SMALL_INT = 1 << 63
 _TAGS = ("int", "complex", "bytes", "tuple", "set", "frozenset", "dict", "range", "iter")
@@ -47,7 +50,8 @@ class Budget:
 
 def to_tree(value, budget: Budget, depth: int = 0):
     """The JSON tree of a plain value (module docstring); raises :class:`NotPlain` for anything else, or when the
-    encoded value would pass ``budget`` (charged for at least its encoded length) or :data:`MAX_DEPTH`."""
+    encoded value would pass ``budget`` (charged at least its length as ``json.dumps(tree, separators=(",", ":"))``
+    writes it) or :data:`MAX_DEPTH`."""
     kind = type(value)
     if value is None or kind is bool:
         budget.spend(5)
@@ -56,7 +60,7 @@ def to_tree(value, budget: Budget, depth: int = 0):
         if -_SMALL_INT < value < _SMALL_INT:
             budget.spend(20)
             return value
-        budget.spend(value.bit_length() // 4 + 12)
+        budget.spend(value.bit_length() // 4 + 16)
         return {"int": hex(value)}
     if kind is float:
         budget.spend(24)
@@ -73,8 +77,11 @@ def to_tree(value, budget: Budget, depth: int = 0):
         budget.spend(2 * len(value) + 14)
         return {"bytes": value.hex()}
     if kind is range:
+        ends = (value.start, value.stop, value.step)
+        if not all(-_SMALL_INT < end < _SMALL_INT for end in ends):
+            raise NotPlain("a range with ends beyond 2**63")
         budget.spend(80)
-        return {"range": [value.start, value.stop, value.step]}
+        return {"range": list(ends)}
     if depth >= MAX_DEPTH:
         raise NotPlain(f"containers nested more than {MAX_DEPTH} deep")
     if kind is list:
@@ -102,6 +109,24 @@ def _type_name(kind: type) -> str:
         return str(kind.__qualname__)[:80]
     except Exception:
         return "object"
+
+
+def check_hashes(items) -> list:
+    """``items`` as a list, after checking that at most :data:`MAX_SHARED_HASH` distinct ones share any hash (raises
+    ``ValueError`` otherwise); unhashable items are left for the set or dict to refuse."""
+    items = list(items)
+    buckets: dict = {}  # hash -> the distinct items with it (hashes are ints below 2**61: they do not collide here)
+    for item in items:
+        try:
+            bucket = buckets.setdefault(hash(item), [])
+        except TypeError:
+            continue
+        if item not in bucket:
+            bucket.append(item)
+            if len(bucket) > MAX_SHARED_HASH:
+                raise ValueError(f"more than {MAX_SHARED_HASH} distinct members share a hash (a set or dict built of "
+                                 "them would take quadratic time)")
+    return items
 
 
 def from_tree(tree, depth: int = 0):
@@ -138,7 +163,10 @@ def from_tree(tree, depth: int = 0):
         if tag == "dict":
             if any(type(pair) is not list or len(pair) != 2 for pair in items):
                 raise ValueError("dict takes [[key, value], ...]")
+            check_hashes(key for key, _ in items)
             return {key: item for key, item in items}
+        if tag in ("set", "frozenset"):
+            check_hashes(items)
         return {"tuple": tuple, "set": set, "frozenset": frozenset, "iter": iter}[tag](items)
     except TypeError as e:  # an unhashable key or member
         raise ValueError(f"{tag}: {e}") from None
