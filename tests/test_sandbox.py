@@ -1,4 +1,5 @@
-"""The code-reward sandbox: scoring, limits, and hostile completions that must not hurt the parent or leave traces.
+"""The code-reward sandbox: scoring, limits, hostile completions that must not hurt the parent or leave traces, and
+forged rewards that must score nothing.
 
 Every test checks (through the autouse fixture) that no sandbox directory is left in the temp dir; the hostile ones
 also check the status, the score and that the run returned within its wall-clock limit.
