@@ -85,7 +85,7 @@ def default_config(steps: int, seed: int, output_dir: str, **overrides):
 
 # TrainConfig field ("loss.NAME": a GRPOLossConfig field) -> the GRPOConfig fields trl_args sets from it
 COUNTERPARTS = {
-    "steps": ("max_steps",),
+    "steps": ("max_steps",),  # x mu: TRL counts optimizer updates, grpo-fast generations
     "seed": ("seed",),
     "output_dir": ("output_dir",),  # TRL's own temporary directory
     "group_size": ("num_generations",),
@@ -108,6 +108,7 @@ COUNTERPARTS = {
     "weight_decay": ("weight_decay",),
     "adam_betas": ("adam_beta1", "adam_beta2"),
     "max_grad_norm": ("max_grad_norm",),
+    "disable_dropout": ("disable_dropout",),
     "warmup_steps": ("warmup_steps",),
     "lr_schedule": ("lr_scheduler_type",),
     "progress": ("disable_tqdm",),
@@ -139,6 +140,7 @@ NOT_MAPPED = {
     "rewards": "GRPOTrainer(reward_funcs=...): the same functions (grpo_fast.train.rewards.load_reward)",
     "generation_prompts": "how many prompts grpo-fast samples at once (memory); TRL samples the generation at once",
     "shared_prefix": "grpo-fast's prompt-sharing forward (speed); TRL runs every row's prompt",
+    "token_mean": f"{REFUSED}: TRL averages each micro-batch's token mean (token_mean='micro_batch')",
     "log_every": "the curve needs every step: grpo-fast logs every step by default, TRL gets logging_steps=1",
     "plot": "grpo-fast's plot, off in the bench",
     "save_every": "no checkpoints in either (TRL: save_strategy='no')",
@@ -152,7 +154,6 @@ NOT_MAPPED = {
 
 # GRPOConfig fields without an option of ours whose TRL default is not what grpo-fast does
 TRL_PINNED = {
-    "disable_dropout": True,  # grpo-fast always switches dropout off (grpo_fast.train.model.disable_dropout)
     "optim": "adamw_torch",  # torch.optim.AdamW, eps 1e-8 (TRL's default is the fused variant)
     "adam_epsilon": 1e-8,
     "mask_truncated_completions": False,  # a truncated completion keeps its loss in grpo-fast
@@ -182,7 +183,7 @@ def trl_args(cfg, output_dir: str) -> dict:
     accumulation = rows // cfg.micro_batch_size
     loss = cfg.loss
     return dict(
-        output_dir=output_dir, max_steps=cfg.steps, seed=cfg.seed,
+        output_dir=output_dir, max_steps=cfg.steps * cfg.mu, seed=cfg.seed,  # TRL counts optimizer updates
         num_generations=cfg.group_size, per_device_train_batch_size=cfg.micro_batch_size,
         gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_iterations=cfg.mu,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
@@ -191,6 +192,7 @@ def trl_args(cfg, output_dir: str) -> dict:
         bf16=dtype == "bfloat16", fp16=dtype == "float16", use_cpu=True,
         learning_rate=cfg.lr or (TINY_LR if cfg.model == "tiny" else MODEL_LR), weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], max_grad_norm=cfg.max_grad_norm,
+        disable_dropout=cfg.disable_dropout,
         warmup_steps=cfg.warmup_steps, lr_scheduler_type=SCHEDULES[cfg.lr_schedule], disable_tqdm=not cfg.progress,
         loss_type=loss.loss_type.value, beta=loss.beta, epsilon=loss.epsilon, epsilon_high=loss.epsilon_high,
         delta=loss.delta, importance_sampling_level=loss.importance_sampling_level,

@@ -63,7 +63,7 @@ def test_trl_args_passes_every_counterpart():
 OFF_DEFAULT = {
     "gradient_checkpointing": "true", "temperature": "0.7", "top_p": "0.9", "top_k": "5", "scale_rewards": "batch",
     "reward_weights": "0.5",
-    "weight_decay": "0.01", "max_grad_norm": "0.5", "warmup_steps": "3",
+    "weight_decay": "0.01", "max_grad_norm": "0.5", "warmup_steps": "3", "disable_dropout": "true",
     "loss.loss_type": "grpo", "loss.beta": "0.1", "loss.epsilon": "0.3",
     "loss.epsilon_high": "0.28", "loss.delta": "1.5", "loss.importance_sampling_level": "sequence",
     "loss.use_bias_correction_kl": "false", "loss.sapo_temperature_pos": "0.9", "loss.sapo_temperature_neg": "1.1",
@@ -93,7 +93,8 @@ def test_same_named_options_reach_grpo_config_with_their_values(tmp_path):
     assert shown == set(same), set(same) - shown
 
 
-@pytest.mark.parametrize("option", ["lora_r=4", "system_prompt=hi", "prompt_column=question", "device=auto"])
+@pytest.mark.parametrize("option", ["lora_r=4", "system_prompt=hi", "prompt_column=question", "device=auto",
+                                    "token_mean=generation"])
 def test_options_trl_cannot_reproduce_are_refused(option):
     name, value = option.split("=")
     with pytest.raises(ValueError, match=name):
@@ -172,8 +173,8 @@ def test_trl_config_matches_ours(trl_trainer):
         "schedule after warm-up": (cfg.lr_schedule, SCHEDULES.get(getattr(args.lr_scheduler_type, "value", None))),
         "bias-corrected KL": (cfg.loss.use_bias_correction_kl, args.use_bias_correction_kl),
         "gradient checkpointing": (cfg.gradient_checkpointing, args.activation_checkpointing),
-        "dropout off": (True, args.disable_dropout),
-        "steps": (cfg.steps, args.max_steps),
+        "dropout off": (cfg.disable_dropout, args.disable_dropout),
+        "optimizer updates": (cfg.steps * cfg.mu, args.max_steps),
         "seed": (cfg.seed, args.seed),
         "fp32": (False, args.bf16 or args.fp16),
         "no vLLM": (False, trainer.use_vllm),

@@ -92,6 +92,13 @@ class TrainConfig:
     generation_prompts: int = _f(0, "prompts sampled at once (their groups' KV caches bound generation memory; "
                                  "0: all prompts_per_step together)")
     micro_batch_size: int = _f(64, "completions per forward/backward; the generation's rows are accumulated")
+    token_mean: str = _f("micro_batch", "what bnpo's token-mean loss and the entropy bonus average over: "
+                         "micro_batch (TRL's: each micro-batch's token mean, the micro-batches' means averaged, so the "
+                         "result depends on micro_batch_size) or generation (the token mean of the whole generation, "
+                         "whatever the micro-batches)")
+    disable_dropout: bool = _f(False, "switch every dropout of the policy and the reference off (TRL's "
+                               "disable_dropout, default False; on, the old, reference and policy passes of a sample "
+                               "see the same function)")
     shared_prefix: str = _f("auto", "run each group's prompt once per training forward (grpo_fast.shared_prefix_"
                             "forward): auto (when it cuts the tokens through the model by >= 1.3x and the model and "
                             "micro_batch_size allow it; otherwise one warning), on (an error when it cannot), off")
@@ -146,6 +153,7 @@ class TrainConfig:
             "dtype": ("auto", "float32", "bfloat16", "float16"),
             "impl": ("auto", "torch", "triton", "reference"),
             "shared_prefix": ("auto", "on", "off"),
+            "token_mean": ("micro_batch", "generation"),
             "distributed": ("ddp", "fsdp2"),
             "scale_rewards": ("group", "batch", "none"),
             "lr_schedule": ("constant", "linear", "cosine"),

@@ -121,7 +121,8 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
     tokenizer.padding_side = "left"
     model = model.to(device=device, dtype=storage_dtype)
     model.train()  # from_pretrained returns eval mode, in which transformers skips activation checkpointing
-    disable_dropout(model)
+    if config.disable_dropout:
+        disable_dropout(model)
     if config.gradient_checkpointing:
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()

@@ -2,8 +2,11 @@
 downloaded.
 
 Task ``digits``: ``"max 3 8 1 6="`` -> ``"8"``, ``"min 4 0 7="`` -> ``"0"`` (3 to 5 digits). The answer is checked
-by the math reward (math-verify), so the run exercises the same reward path as a real math dataset. The held-out
-split is every prompt whose CRC32 is divisible by 8: no evaluation prompt is ever trained on.
+by the math reward (math-verify), so the run exercises the same reward path as a real math dataset. ``max`` is its
+max-only half. ``median``: ``"3 8 1="`` -> ``"3"``, ``"7 2 9 4 4="`` -> ``"4"`` (3 or 5 digits): the same alphabet,
+but an answer no single comparison finds; nothing in the project was tuned on it (the held-out check of the trainer
+against TRL's). The held-out split is every prompt whose CRC32 is divisible by 8: no evaluation prompt is ever
+trained on.
 
 Model ``tiny``: a 2-layer Qwen2 (hidden 64) over a character vocabulary, randomly initialised from the run's seed.
 It starts at chance (it does not even know to answer with one digit) and has to learn the task from the rewards.
@@ -16,7 +19,7 @@ import zlib
 
 CHARS = list("0123456789 =maxin")
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
-TASKS = ("digits", "max")
+TASKS = ("digits", "max", "median")
 TASK_SIZE = 4096  # distinct training prompts
 EVAL_SPLIT = 8  # 1 in 8 prompts is held out
 
@@ -65,6 +68,11 @@ def _digits_example(rng: random.Random, ops=("max", "min")) -> dict:
     return {"prompt": f"{op} {' '.join(map(str, digits))}=", "answer": str(answer)}
 
 
+def _median_example(rng: random.Random) -> dict:
+    digits = [rng.randint(0, 9) for _ in range(rng.choice((3, 5)))]
+    return {"prompt": f"{' '.join(map(str, digits))}=", "answer": str(sorted(digits)[len(digits) // 2])}
+
+
 def _held_out(prompt: str) -> bool:
     return zlib.crc32(prompt.encode()) % EVAL_SPLIT == 0
 
@@ -77,7 +85,10 @@ def builtin_records(name: str, split: str, size: int) -> list[dict]:
     records, seen = [], set()
     want_eval = split == "eval"
     for _ in range(200 * size):
-        record = _digits_example(rng, ("max", "min") if name == "digits" else ("max",))
+        if name == "median":
+            record = _median_example(rng)
+        else:
+            record = _digits_example(rng, ("max", "min") if name == "digits" else ("max",))
         if record["prompt"] in seen or _held_out(record["prompt"]) != want_eval:
             continue
         seen.add(record["prompt"])

@@ -351,30 +351,38 @@ def reference_logprobs(run: Run, ro: Rollout) -> torch.Tensor | None:
         return logprobs_of(run, run.policy, ro)
 
 
-def micro_batch_scale(loss_type: LossType, rows: int, total_rows: int, tokens: float, total_tokens: float) -> float:
-    """Weight of one micro-batch's loss so that the accumulated gradient equals the whole generation's.
+def token_mean_weight(token_mean: str, tokens: float, total_tokens: float, micro_batches: int) -> float:
+    """The weight of one micro-batch's token mean in the generation's: ``1 / micro_batches`` with
+    ``token_mean="micro_batch"`` (TRL's: the micro-batches' token means averaged), its share of the generation's
+    tokens with ``"generation"`` (the token mean of the whole generation)."""
+    return 1.0 / micro_batches if token_mean == "micro_batch" else tokens / max(total_tokens, 1.0)
+
+
+def micro_batch_scale(loss_type: LossType, rows: int, total_rows: int, token_weight: float) -> float:
+    """Weight of one micro-batch's loss so that the accumulated gradient is the whole generation's.
 
     dapo/cispo/vespo already divide by ``num_items_in_batch`` (the generation's token count); bnpo's per-batch token
-    mean is reweighted by the micro-batch's share of tokens; the per-sequence means (grpo, sapo, dr_grpo, luspo) by
-    its share of rows.
+    mean is weighted by ``token_weight`` (:func:`token_mean_weight`); the per-sequence means (grpo, sapo, dr_grpo,
+    luspo) by the micro-batch's share of rows (TRL's ``1 / gradient_accumulation_steps`` when, as TRL requires, the
+    micro-batches are of one size).
     """
     if loss_type in TOKEN_SUM_LOSSES:
         return 1.0
     if loss_type == LossType.BNPO:
-        return tokens / max(total_tokens, 1.0)
+        return token_weight
     return rows / total_rows
 
 
-def micro_batch_config(config: GRPOLossConfig, weight: float, token_share: float) -> GRPOLossConfig:
+def micro_batch_config(config: GRPOLossConfig, weight: float, token_weight: float) -> GRPOLossConfig:
     """The entropy bonus is a token mean whatever the loss type: its coefficient is rescaled so that after the
-    micro-batch weight it counts with the micro-batch's share of tokens (the bonus of the whole generation)."""
+    micro-batch weight it counts with ``token_weight`` (:func:`token_mean_weight`)."""
     if config.entropy_coef == 0.0:
         return config
-    return dataclasses.replace(config, entropy_coef=config.entropy_coef * token_share / weight)
+    return dataclasses.replace(config, entropy_coef=config.entropy_coef * token_weight / weight)
 
 
 def _micro_batch_loss(model, run: Run, ro: Rollout, rows, pcols, tcols, advantages, old_logps, ref_logps,
-                      total_rows: float, total_tokens: float):
+                      total_rows: float, total_tokens: float, micro_batches: int):
     """The micro-batch's weighted share of the generation's loss and its ``LossOutput``; runs inside the policy's
     forward. Non-finite hidden states give a NaN loss that reaches every weight (and no output), so the gradients
     turn non-finite on every rank together and all of them skip the update."""
@@ -383,14 +391,15 @@ def _micro_batch_loss(model, run: Run, ro: Rollout, rows, pcols, tcols, advantag
         return (hidden.float().sum() + weight.float().sum()) * float("nan"), None, 0.0
     mask = ro.completion_mask[rows, tcols]
     tokens = float(mask.sum())
-    share = tokens / max(total_tokens, 1.0)  # the micro-batch's share of the generation's tokens
-    scale = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0], total_rows, tokens, total_tokens)
+    share = tokens / max(total_tokens, 1.0)  # the micro-batch's share of the generation's tokens (metrics)
+    token_weight = token_mean_weight(run.config.token_mean, tokens, total_tokens, micro_batches)
+    scale = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0], total_rows, token_weight)
     out = grpo_loss(
         hidden, weight, ro.completion_ids[rows, tcols], advantages[rows], mask,
         old_logps=None if old_logps is None else old_logps[rows, tcols],
         ref_logps=None if ref_logps is None else ref_logps[rows, tcols],
         num_items_in_batch=total_tokens, bias=bias, impl=run.config.impl,
-        config=micro_batch_config(run.loss_config, scale, share),
+        config=micro_batch_config(run.loss_config, scale, token_weight),
     )
     return out.loss * scale, out, share
 
@@ -414,7 +423,7 @@ def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps) -> di
     for i, (rows, pcols, tcols) in enumerate(batches):
         with dist_.gradient_sync(run.policy, sync=i == len(batches) - 1):
             loss, out, share = run.policy(_micro_batch_loss, run, ro, rows, pcols, tcols, advantages, old_logps,
-                                          ref_logps, total_rows, total_tokens)
+                                          ref_logps, total_rows, total_tokens, len(batches) * world.size)
             # every rank's loss is its part of the global loss; DDP and FSDP2 average gradients over the ranks
             (loss * world.size).backward()
         if out is None or not torch.isfinite(loss):
