@@ -337,7 +337,8 @@ def test_file_system_changes_outside_are_blocked(tmp_path):
 def test_escape_attempts_are_blocked(probe):
     refusal = "OSError" if "pty" in probe else "PermissionError"
     code = (f"def attempt():\n    {probe}\n"
-            f"def blocked():\n    try:\n        attempt()\n    except {refusal}:\n        return True\n    return False\n")
+            f"def blocked():\n    try:\n        attempt()\n    except {refusal}:\n        return True\n"
+            "    return False\n")
     result = _timed_run(code, ["assert blocked()"])
     assert result.status == "ok", result.detail
 
@@ -899,7 +900,8 @@ FORGERIES = {
                           "sys.setprofile(profiler)\n",
     # objects that are equal to, less and greater than, and as long as everything
     "lying-object": "class Liar:\n    def __eq__(self, other):\n        return True\n"
-                    "    def __ne__(self, other):\n        return False\n    __lt__ = __le__ = __gt__ = __ge__ = __eq__\n"
+                    "    def __ne__(self, other):\n        return False\n"
+                    "    __lt__ = __le__ = __gt__ = __ge__ = __eq__\n"
                     "    def __hash__(self):\n        return 0\n    def __bool__(self):\n        return True\n"
                     "    def __repr__(self):\n        return '4'\n    def __len__(self):\n        return 3\n"
                     "    def __sub__(self, other):\n        return 0\n    __rsub__ = __sub__\n"
@@ -908,7 +910,8 @@ FORGERIES = {
                     "def f(x):\n    return Liar()\ng = h = f\n",
     "lying-subclasses": "class I(int):\n    def __eq__(self, other):\n        return True\n"
                         "    __hash__ = int.__hash__\n    __class__ = property(lambda self: int)\n"
-                        "class S(str):\n    def __eq__(self, other):\n        return True\n    __hash__ = str.__hash__\n"
+                        "class S(str):\n    def __eq__(self, other):\n        return True\n"
+                        "    __hash__ = str.__hash__\n"
                         "class L(list):\n    def __eq__(self, other):\n        return True\n"
                         "    def __len__(self):\n        return 3\n"
                         "def f(x):\n    return I(0)\ndef g(s):\n    return S('')\ndef h(xs):\n    return L()\n",
@@ -916,7 +919,8 @@ FORGERIES = {
     "sys-exit": "import sys\nsys.exit(0)\n",
     "exit-in-a-test": "def f(x):\n    import os\n    os._exit(0)\ng = h = f\n",
     # the right values, printed as report lines on stdout and stderr (which are never read for results)
-    "print": "import sys, json\nlines = [{'code': 'ok'}, {'i': 0, 'r': [['v', 4]]}, {'i': 1, 'r': [['v', 6], ['v', -2]]}]\n"
+    "print": "import sys, json\n"
+             "lines = [{'code': 'ok'}, {'i': 0, 'r': [['v', 4]]}, {'i': 1, 'r': [['v', 6], ['v', -2]]}]\n"
              "for m in lines:\n    print(json.dumps(m))\n    print(json.dumps(m), file=sys.stderr)\n"
              "print('pass 0\\ndone')\n",
     "every-fd": "import os, json\nold = b'pass 0\\npass 1\\ndone\\n'\n"
@@ -1044,11 +1048,10 @@ def test_a_constant_answer_gets_only_the_checks_it_answers():
 
 
 def test_values_of_every_plain_type_come_back():
-    code = ("def values():\n    return (None, True, -3, 2 ** 100, 0.5, float('inf'), 1 + 2j, 'é\\n\"', b'\\x00\\xff', [1, [2]],"
-            " (3,), {'a': (1, 2), 3: None}, {1, 2}, frozenset({'x'}), range(1, 9, 2))\n"
-            "def gen():\n    yield from range(3)\n")
-    tests = ["assert values() == (None, True, -3, 2 ** 100, 0.5, float('inf'), 1 + 2j, 'é\\n\"', b'\\x00\\xff', [1, [2]],"
-             " (3,), {'a': (1, 2), 3: None}, {1, 2}, frozenset({'x'}), range(1, 9, 2))",
+    values = ("(None, True, -3, 2 ** 100, 0.5, float('inf'), 1 + 2j, 'é\\n\"', b'\\x00\\xff', [1, [2]], (3,), "
+              "{'a': (1, 2), 3: None}, {1, 2}, frozenset({'x'}), range(1, 9, 2))")
+    code = f"def values():\n    return {values}\ndef gen():\n    yield from range(3)\n"
+    tests = [f"assert values() == {values}",
              "assert list(gen()) == [0, 1, 2]",
              "assert gen() != [0, 1, 2]",  # an iterator, as in Python: not equal to a list
              "assert math.isnan(float('nan')) and values()[5] > 10 ** 300"]

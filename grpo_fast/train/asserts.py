@@ -10,8 +10,8 @@ A test is a string of ``assert`` statements, with ``import`` statements among th
 :func:`parse_test` reads it in the parent (``ast``) and cuts each assert's expression in two. The *holes* are the
 parts that use the code under test: each maximal chain of names, calls, attributes and subscripts that starts at a
 name of the completion (``add(2, 3)``, ``primes_below(10)``, ``Stack([1]).pop()``, ``result[0]``). The sandbox
-evaluates only those, in the completion's namespace and in the order Python would, and sends back their values as plain data
-(:mod:`grpo_fast.train.plain_data`). Everything else (the literals, the operators, the comparisons, ``not``,
+evaluates only those, in the completion's namespace and in the order Python would, and sends back their values as
+plain data (:mod:`grpo_fast.train.plain_data`). Everything else (the literals, the operators, the comparisons, ``not``,
 ``and``, ``or``, and the builtins and ``math`` functions in :data:`PARENT_BUILTINS` and :data:`PARENT_MODULES`,
 lambdas and comprehensions over them, the methods in ``_METHODS`` called on values the parent computed) never
 enters the sandbox: :func:`judge` evaluates it in the parent, over those plain values. The expected values therefore
@@ -38,8 +38,10 @@ The rules, each one so that no test passes without the code under test producing
 What this does not decide: a check whose passing value can be guessed without the expected value. ``assert
 is_prime(7)`` passes for an ``is_prime`` that always returns True, and ``assert f(x) != 3`` for one that returns
 anything else; a dataset should pair such checks with their opposites (``assert not is_prime(9)``: the sandbox sees
-``is_prime(9)``, not the ``not``). A name of :data:`PARENT_BUILTINS` always means that builtin: a test of a
-completion's own ``max`` is judged against the builtin, whatever the completion defines.
+``is_prime(9)``, not the ``not``). The sandbox sees every hole with its arguments: an input of one check that is
+another's expected value (``assert f(2) == 4 and g(4) == 1``) can be read there. A name of :data:`PARENT_BUILTINS`
+always means that builtin: a test of a completion's own ``max`` is judged against the builtin, whatever the
+completion defines.
 """
 
 from __future__ import annotations
@@ -265,9 +267,10 @@ class _Splitter:
             raise _Refused(f"{source!r} uses the code under test inside a lambda or a comprehension, which would be "
                            "evaluated in the sandbox (write one assert per case)")
         why = ("the test imports it" if self._imports.get(root.id) is _LIBRARY else
-               "the parent evaluates only the math functions of PARENT_MODULES"
+               "the parent evaluates only the math functions of grpo_fast.train.asserts.PARENT_MODULES"
                if isinstance(self._parent_name(root.id), dict) else
-               "the parent evaluates only the builtins of PARENT_BUILTINS" if root.id in _BUILTIN_NAMES else None)
+               "the parent evaluates only the builtins of grpo_fast.train.asserts.PARENT_BUILTINS"
+               if root.id in _BUILTIN_NAMES else None)
         if why is not None:
             raise _Refused(f"{source!r} would run {root.id!r} in the sandbox, where the code under test can replace "
                            f"it ({why})")
@@ -285,7 +288,7 @@ class _Splitter:
         match node:
             case ast.Constant() | ast.Name():
                 return node
-            case ast.Attribute(value=value, attr=attr) if self._module_of(value, scope) is not None:
+            case ast.Attribute(value=value) if self._module_of(value, scope) is not None:
                 return node
             case ast.Call(func=func, args=args, keywords=keywords):
                 if not self._parent_callable(func, scope):
@@ -308,7 +311,7 @@ class _Splitter:
                 return ast.BoolOp(op, [split(v) for v in values])
             case ast.IfExp(test=test, body=body, orelse=orelse):
                 return ast.IfExp(split(test), split(body), split(orelse))
-            case ast.Compare(left=left, ops=ops, comparators=comparators):
+            case ast.Compare():
                 return self._compare(node, scope)
             case ast.List(elts=elts) | ast.Tuple(elts=elts) | ast.Set(elts=elts):
                 return type(node)([split(e) for e in elts], *([ast.Load()] if not isinstance(node, ast.Set) else []))
