@@ -1,4 +1,4 @@
-"""Run untrusted Python completions against test snippets: the sandbox behind the trainer's ``code`` reward.
+"""Run untrusted Python completions against tests: the sandbox behind the trainer's ``code`` reward.
 
 In RL training the policy writes code and the reward is the fraction of tests it passes, so the code run here is
 untrusted by construction: it may loop forever, fork, allocate without bound, flood its output, write files, open
@@ -41,7 +41,8 @@ With Landlock (:func:`isolation_layers` lists ``landlock-<ABI>``) the kernel enf
 signal confinement whatever the completion does, ctypes and raw system calls included. Without it (an older kernel, or
 Landlock off at boot; :func:`code_reward` warns once and its metrics say so) only the audit hook guards files (seccomp
 still refuses sockets), and it runs in the interpreter it guards: code written to defeat it (by patching the stdlib
-functions it calls, by walking stack frames up to the harness) can. Not confined in either case: reading the
+functions it calls, by walking stack frames up to the harness) can, and reads are not confined at all (the dataset,
+with the expected values, included: keep Landlock on where the tests are secret). Not confined in either case: the
 interpreter's and system libraries' files, CPU and memory beyond the rlimits' accounting, and kernel bugs.
 """
 
