@@ -105,6 +105,7 @@ COUNTERPARTS = {
     "dtype": ("bf16", "fp16"),
     "device": ("use_cpu",),
     "lr": ("learning_rate",),
+    "optim": ("optim",),  # transformers' names, TRL's default
     "weight_decay": ("weight_decay",),
     "adam_betas": ("adam_beta1", "adam_beta2"),
     "max_grad_norm": ("max_grad_norm",),
@@ -130,6 +131,10 @@ NOT_MAPPED = {
     "lora_alpha": "only with lora_r",
     "lora_target_modules": "only with lora_r",
     "merge_lora": "only with lora_r (what output_dir/model holds)",
+    "load_in_4bit": f"{REFUSED}: needs lora_r; GRPOConfig(model_init_kwargs={{'quantization_config': ...}}) with a "
+                    "peft_config (bench/bench_qlora.py compares the two trainers that way)",
+    "bnb_4bit_quant_type": "only with load_in_4bit",
+    "bnb_4bit_use_double_quant": "only with load_in_4bit",
     "distributed": "one process: ignored by both",
     "dataset": "builtin tasks only: GRPOTrainer(train_dataset=...) of the same records",
     "eval_dataset": "both are scored by grpo-fast's evaluate on the task's held-out split",
@@ -154,7 +159,6 @@ NOT_MAPPED = {
 
 # GRPOConfig fields without an option of ours whose TRL default is not what grpo-fast does
 TRL_PINNED = {
-    "optim": "adamw_torch",  # torch.optim.AdamW, eps 1e-8 (TRL's default is the fused variant)
     "adam_epsilon": 1e-8,
     "mask_truncated_completions": False,  # a truncated completion keeps its loss in grpo-fast
 }
@@ -190,7 +194,8 @@ def trl_args(cfg, output_dir: str) -> dict:
         scale_rewards=cfg.scale_rewards, reward_weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
         activation_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing=cfg.gradient_checkpointing,
         bf16=dtype == "bfloat16", fp16=dtype == "float16", use_cpu=True,
-        learning_rate=cfg.lr or (TINY_LR if cfg.model == "tiny" else MODEL_LR), weight_decay=cfg.weight_decay,
+        learning_rate=cfg.lr or (TINY_LR if cfg.model == "tiny" else MODEL_LR), optim=cfg.optim,
+        weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_betas[0], adam_beta2=cfg.adam_betas[1], max_grad_norm=cfg.max_grad_norm,
         disable_dropout=cfg.disable_dropout,
         warmup_steps=cfg.warmup_steps, lr_scheduler_type=SCHEDULES[cfg.lr_schedule], disable_tqdm=not cfg.progress,

@@ -64,6 +64,7 @@ OFF_DEFAULT = {
     "gradient_checkpointing": "true", "temperature": "0.7", "top_p": "0.9", "top_k": "5", "scale_rewards": "batch",
     "reward_weights": "0.5",
     "weight_decay": "0.01", "max_grad_norm": "0.5", "warmup_steps": "3", "disable_dropout": "true",
+    "optim": "adamw_torch",
     "loss.loss_type": "grpo", "loss.beta": "0.1", "loss.epsilon": "0.3",
     "loss.epsilon_high": "0.28", "loss.delta": "1.5", "loss.importance_sampling_level": "sequence",
     "loss.use_bias_correction_kl": "false", "loss.sapo_temperature_pos": "0.9", "loss.sapo_temperature_neg": "1.1",

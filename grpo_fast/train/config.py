@@ -40,6 +40,8 @@ LOSS_HELP = {
 
 
 DEFAULT_LOSS = GRPOLossConfig(beta=0.04)
+# transformers' / TRL's optimizer names (TrainingArguments.optim); the first is TRL's default (torch >= 2.8)
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 
 
 def _f(default, help: str, **kw):
@@ -66,7 +68,14 @@ class TrainConfig:
     lora_alpha: int = _f(16, "LoRA alpha")
     lora_target_modules: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"], "modules that get LoRA adapters")
     merge_lora: bool = _f(False, "LoRA runs: write the adapters merged into the base weights to output_dir/model "
-                          "(a plain model directory) instead of the adapter in PEFT's format")
+                          "(a plain model directory) instead of the adapter in PEFT's format; with load_in_4bit the "
+                          "base's 4-bit weights dequantized, in float32")
+    load_in_4bit: bool = _f(False, "QLoRA: the frozen base's decoder linear layers in 4 bits (bitsandbytes; the "
+                            "embeddings, the lm_head and the norms stay in the compute dtype, which the 4-bit matmuls "
+                            "compute in); needs lora_r > 0 and bitsandbytes (pip install 'grpo-fast[quant]')")
+    bnb_4bit_quant_type: str = _f("nf4", "load_in_4bit's data type: nf4 (QLoRA's NormalFloat) or fp4")
+    bnb_4bit_use_double_quant: bool = _f(True, "load_in_4bit: quantize the blocks' scales too (QLoRA's double "
+                                         "quantization: 0.127 instead of 0.5 bits per weight for them)")
     gradient_checkpointing: bool = _f(False, "recompute decoder activations in the backward to save memory")
     distributed: str = _f("ddp", "under torchrun (WORLD_SIZE > 1): ddp (a replica per process) or fsdp2 (parameters, "
                           "gradients and optimizer states sharded with torch's fully_shard); ignored in one process")
@@ -111,6 +120,10 @@ class TrainConfig:
                               "--loss.NAME. beta defaults to 0.04 (the GRPO paper's KL weight) rather than TRL's 0.0")
     # optimisation
     lr: float | None = _f(None, "AdamW learning rate (None: 5e-4 for the tiny model, 1e-6 otherwise)")
+    optim: str = _f("adamw_torch_fused", "the optimizer, by transformers' names (TRL's default): adamw_torch_fused "
+                    "or adamw_torch (torch's AdamW, fused or not), adamw_8bit (bitsandbytes' 8-bit AdamW: 2 bytes of "
+                    "states per trained parameter instead of 8), paged_adamw_8bit, paged_adamw_32bit (bitsandbytes, "
+                    "states paged out to CPU memory when the GPU runs short: CUDA only)")
     weight_decay: float = _f(0.0, "AdamW weight decay")
     adam_betas: list[float] = _f([0.9, 0.99], "AdamW betas")
     max_grad_norm: float = _f(1.0, "clip the global gradient norm to this (0: no clipping)")
@@ -157,6 +170,8 @@ class TrainConfig:
             "distributed": ("ddp", "fsdp2"),
             "scale_rewards": ("group", "batch", "none"),
             "lr_schedule": ("constant", "linear", "cosine"),
+            "optim": OPTIMIZERS,
+            "bnb_4bit_quant_type": ("nf4", "fp4"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -204,6 +219,9 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ValueError("TrainConfig.resume and TrainConfig.overwrite exclude each other (resume continues the "
                              "run in output_dir, overwrite deletes its checkpoints and starts over); pass one, got both")
+        if self.load_in_4bit and not self.lora_r:
+            raise ValueError("TrainConfig.load_in_4bit needs LoRA (lora_r > 0): the 4-bit base is frozen and only "
+                             "adapters train on it; pass --lora-r R (e.g. 16), got lora_r=0")
         if self.merge_lora and not self.lora_r:
             raise ValueError("TrainConfig.merge_lora needs a LoRA run (lora_r > 0): a full fine-tune writes full "
                              "weights already; got lora_r=0")

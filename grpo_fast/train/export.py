@@ -10,7 +10,9 @@ CHECKPOINT OUT_DIR`` makes the same directory from any checkpoint (``export_chec
 - LoRA: the adapter in PEFT's format (``adapter_config.json``, ``adapter_model.safetensors``) and the tokenizer:
   ``PeftModel.from_pretrained(base, DIR)``; ``adapter_config.json`` names the base model's directory (for the built-in
   tiny model, which has none, ``base_model_name_or_path`` is empty). ``merge_lora`` writes the merged full weights
-  instead, a plain model directory like the one above.
+  instead, a plain model directory like the one above; over a 4-bit base (``load_in_4bit``) they are the dequantized
+  4-bit weights plus the adapters, in float32, with a warning that they are not the original weights plus the
+  adapters. A checkpoint of a 4-bit run holds the adapters only (the base is rebuilt from ``--model``).
 - FSDP2: the sharded parameters are gathered into a full state dict on rank 0 (``get_model_state_dict`` with
   ``full_state_dict=True, cpu_offload=True``), which rank 0 writes.
 
@@ -21,6 +23,7 @@ model; an earlier ``model/`` in the same place is replaced.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -30,8 +33,10 @@ import torch
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.forward import unwrap
+from grpo_fast.train.model import is_4bit, merge_4bit_lora
 
 MODEL_DIR = "model"  # inside output_dir
+logger = logging.getLogger("grpo_fast.train")
 
 
 def is_peft(model) -> bool:
@@ -76,7 +81,15 @@ def save_model(model, tokenizer, directory: str | Path, *, merge_lora: bool = Fa
         if is_peft(model) and merge_lora:
             if state_dict is not None:
                 raise ValueError("save_model: merge_lora with a gathered state_dict is not supported")
-            model = model.merge_and_unload()
+            if is_4bit(model):
+                logger.warning("--merge-lora with a 4-bit base: the merged float32 weights are the base's 4-bit "
+                               "values, dequantized, plus the adapters (the model that was trained); they differ from "
+                               "the original full-precision weights by the 4-bit rounding. To apply the adapters to the "
+                               "original weights instead, keep the adapter (no --merge-lora) and load it with "
+                               "PeftModel.from_pretrained on the full-precision base")
+                model = merge_4bit_lora(model)
+            else:
+                model = model.merge_and_unload()
         if is_peft(model):
             for config in model.peft_config.values():
                 config.base_model_name_or_path = base_model or ""
@@ -141,7 +154,7 @@ def load_checkpoint_model(checkpoint: str | Path):
     """(model, tokenizer, config) of a checkpoint, on the CPU in float32: the run's model rebuilt from its config
     (the tiny model from its seed, or the ``--model`` directory, which must still exist) with the checkpoint's
     weights, LoRA adapters included."""
-    from grpo_fast.train.model import attach_lora, load_model_and_tokenizer
+    from grpo_fast.train.model import attach_lora, load_model_and_tokenizer, load_trained_state
 
     path = Path(checkpoint)
     state, sharded = _trainer_state(path)
@@ -157,7 +170,7 @@ def load_checkpoint_model(checkpoint: str | Path):
             raise ValueError(f"CHECKPOINT: {e}") from None
         model.load_state_dict(weights["model"])
     else:
-        model.load_state_dict(state["model"])
+        load_trained_state(model, state["model"], config)
     model.eval()
     return model, tokenizer, config
 

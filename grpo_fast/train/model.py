@@ -4,6 +4,15 @@ Mixed precision the usual way: the trained parameters and AdamW's states stay fl
 update smaller than half its spacing, ~1e-4 for a weight of 0.02, so learning rates like 1e-6 would be rounded away)
 and the forward passes run under ``torch.autocast`` in the compute dtype. The frozen reference copy and, with LoRA,
 the frozen base weights are stored in the compute dtype directly.
+
+QLoRA (``load_in_4bit``): the base's decoder linear layers are loaded through transformers' bitsandbytes integration
+(``BitsAndBytesConfig``: NF4 or FP4 blocks of 64 weights, their scales quantized again with double quantization,
+matmuls in the compute dtype); the embeddings and the lm_head (transformers leaves the output embedding and what is
+tied to it unquantized) and the norms stay in the compute dtype, so the fused loss reads a floating-point lm_head.
+The LoRA adapters stay float32, as with a bf16 base (TRL casts QLoRA adapters to bfloat16). A model built from a
+config (the tiny one, a directory without weights) is saved to a temporary directory and loaded back quantized, so
+every base goes through the same loader. The optimizer: torch's AdamW, or bitsandbytes' 8-bit / paged AdamW
+(:func:`make_optimizer`, transformers' names and construction).
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import contextlib
 import copy
 import logging
 import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -111,7 +121,8 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
         tokenizer = load_tokenizer(config.tokenizer or config.model,
                                    "TrainConfig.tokenizer" if config.tokenizer else "TrainConfig.model")
         if _has_weights(path):
-            model = AutoModelForCausalLM.from_pretrained(config.model, dtype=storage_dtype)
+            model = (load_4bit(config.model, config, device, storage_dtype) if config.load_in_4bit else
+                     AutoModelForCausalLM.from_pretrained(config.model, dtype=storage_dtype))
         else:  # a config.json alone: the architecture with fresh weights from the seed
             logger.warning("model %s has no weights: building it from its config.json with random weights (seed %d)",
                            path, config.seed)
@@ -119,7 +130,14 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
-    model = model.to(device=device, dtype=storage_dtype)
+    if config.load_in_4bit:
+        if not is_4bit(model):  # built from a config: quantized through the same loader
+            with tempfile.TemporaryDirectory(prefix="grpo_fast_4bit_") as tmp:
+                model.save_pretrained(tmp)
+                model = load_4bit(tmp, config, device, storage_dtype)
+        check_4bit_head(model)
+    else:
+        model = model.to(device=device, dtype=storage_dtype)
     model.train()  # from_pretrained returns eval mode, in which transformers skips activation checkpointing
     if config.disable_dropout:
         disable_dropout(model)
@@ -127,6 +145,122 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
         enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
         enable()
     return model, tokenizer
+
+
+def import_bitsandbytes(option: str):
+    """bitsandbytes, or an ImportError that starts with ``option`` (what needed it)."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ImportError(f"{option} needs bitsandbytes >= 0.50, which is not installed: pip install "
+                          "'grpo-fast[quant]' (or pip install 'bitsandbytes>=0.50')") from None
+    return bitsandbytes
+
+
+def bnb_4bit_config(config: TrainConfig, compute_dtype: torch.dtype):
+    """transformers' ``BitsAndBytesConfig`` of a ``load_in_4bit`` run (what TRL's ``model_init_kwargs`` take as
+    ``quantization_config``). No ``llm_int8_skip_modules``: transformers then leaves the output embedding, and what is
+    tied to it, unquantized."""
+    import_bitsandbytes("TrainConfig.load_in_4bit")
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=config.bnb_4bit_quant_type,
+                              bnb_4bit_use_double_quant=config.bnb_4bit_use_double_quant,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
+def load_4bit(path, config: TrainConfig, device: torch.device, dtype: torch.dtype):
+    """The model saved in ``path`` with its decoder's linear weights in 4 bits, the rest in ``dtype``, on
+    ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_4bit_config(config, dtype), dtype=dtype,
+                                                device_map={"": str(device)})
+
+
+def is_4bit(model) -> bool:
+    return bool(getattr(unwrap(model), "is_loaded_in_4bit", False))
+
+
+def check_4bit_head(model) -> None:
+    """Refuses a 4-bit model whose lm_head or input embedding was quantized: the fused loss and log-probs need the
+    lm_head as a floating-point ``[V, H]`` weight."""
+    inner = unwrap(model)
+    for what, module in (("lm_head", inner.get_output_embeddings()), ("input embedding", inner.get_input_embeddings())):
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not weight.dtype.is_floating_point:
+            raise ValueError(
+                f"TrainConfig.load_in_4bit: {type(inner).__name__}'s {what} ({type(module).__name__}) was quantized "
+                f"(weight dtype {getattr(weight, 'dtype', None)}); the fused loss needs a floating-point lm_head, so "
+                "this architecture cannot be trained with a 4-bit base")
+
+
+def trained_state(model, config: TrainConfig) -> dict:
+    """What a checkpoint keeps of the model: its whole state dict, or with ``load_in_4bit`` the trained parameters
+    only. The 4-bit base is frozen and rebuilt exactly from ``--model`` on resume (NF4/FP4 quantization is
+    deterministic), and bitsandbytes' packed weights do not load back through ``load_state_dict``."""
+    state = model.state_dict()
+    if not config.load_in_4bit:
+        return state
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trained}
+
+
+def load_trained_state(model, state: dict, config: TrainConfig) -> None:
+    """Loads what :func:`trained_state` saved; a state that is not this model's raises ``RuntimeError``."""
+    if not config.load_in_4bit:
+        model.load_state_dict(state)
+        return
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    missing, unexpected = sorted(trained - set(state)), sorted(set(state) - trained)
+    if missing or unexpected:
+        raise RuntimeError(f"the 4-bit run's trained parameters do not match: missing {missing[:3]}, unexpected "
+                           f"{unexpected[:3]}")
+    model.load_state_dict(state, strict=False)
+
+
+def merge_4bit_lora(model) -> torch.nn.Module:
+    """A PEFT model over a 4-bit base as a plain float32 transformers model: every 4-bit weight dequantized and each
+    adapter's ``scaling * B @ A`` added to its layer. (PEFT's own ``merge_and_unload`` quantizes the merged weight
+    again, which rounds most of the adapters' change away.) The merged weights are the dequantized 4-bit values plus
+    the adapters: the function that was trained, not the original full-precision weights plus the adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    deltas = {}
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, LoraLayer):
+            deltas[name] = sum(module.get_delta_weight(a).float() for a in module.active_adapters)
+    base = model.unload()  # the base model with its 4-bit layers back, adapters dropped
+    base = base.dequantize(dtype=torch.float32).to(torch.float32)
+    with torch.no_grad():
+        for name, delta in deltas.items():
+            base.get_submodule(name).weight += delta.to(base.device)
+    return base
+
+
+def make_optimizer(params, config: TrainConfig, lr: float, device: torch.device, model=None):
+    """``config.optim`` over ``params``, built as transformers' ``Trainer`` builds it (``TrainingArguments.optim``):
+    torch's AdamW (``adamw_torch_fused``: ``fused=True``), or bitsandbytes' ``AdamW`` with ``optim_bits`` 8 or 32 and
+    ``is_paged``; with 8-bit states the embeddings of ``model`` keep 32-bit ones (transformers' override)."""
+    betas = tuple(config.adam_betas)
+    if config.optim in ("adamw_torch", "adamw_torch_fused"):
+        fused = {"fused": True} if config.optim == "adamw_torch_fused" else {}
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=config.weight_decay, **fused)
+    paged = config.optim.startswith("paged_")
+    if paged and device.type != "cuda":
+        raise ValueError(f"TrainConfig.optim: {config.optim} pages its states through CUDA unified memory, so it needs "
+                         f"a CUDA device, got {device.type}; use adamw_8bit (the same 8-bit states, not paged) or "
+                         "adamw_torch_fused")
+    bnb = import_bitsandbytes(f"TrainConfig.optim {config.optim}")
+    bits = 8 if "8bit" in config.optim else 32
+    optimizer = bnb.optim.AdamW(params, lr=lr, betas=betas, eps=1e-8, weight_decay=config.weight_decay,
+                                optim_bits=bits, is_paged=paged)
+    if bits == 8 and model is not None:
+        manager = bnb.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, torch.nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    return optimizer
 
 
 def disable_dropout(model) -> None:

@@ -36,8 +36,11 @@ from grpo_fast.train.model import (
     check_head,
     frozen_copy,
     load_model_and_tokenizer,
+    load_trained_state,
+    make_optimizer,
     resolve_device,
     resolve_dtype,
+    trained_state,
 )
 from grpo_fast.train.rewards import RewardError, compute_rewards, load_reward, reward_metrics, reward_name
 from grpo_fast.train.rollout import Rollout, SamplingParams, concat_rollouts, generate
@@ -134,6 +137,14 @@ def setup(config: TrainConfig) -> Run:
     if config.prompts_per_step % world.size:
         raise ValueError(f"TrainConfig.prompts_per_step must be a multiple of the {world.size} processes (each rank "
                          f"takes whole groups), got {config.prompts_per_step}")
+    if world.strategy == "fsdp2" and config.load_in_4bit:
+        raise ValueError("TrainConfig.load_in_4bit: a 4-bit base under FSDP2 is not supported (FSDP2 shards floating-"
+                         "point parameters, not bitsandbytes' packed ones); a 4-bit base trains in one process or "
+                         "under --distributed ddp")
+    if world.strategy == "fsdp2" and config.optim not in ("adamw_torch", "adamw_torch_fused"):
+        raise ValueError(f"TrainConfig.optim: {config.optim} under FSDP2 is not supported (bitsandbytes' optimizers "
+                         "are not tested on its sharded DTensor parameters); use adamw_torch_fused or adamw_torch, "
+                         f"or --distributed ddp; got optim={config.optim}")
     if world.strategy == "fsdp2" and config.lora_r:
         raise ValueError("TrainConfig.lora_r: LoRA under FSDP2 is not supported; use --distributed ddp (LoRA's "
                          f"adapters are small enough to replicate), got lora_r={config.lora_r}")
@@ -161,16 +172,19 @@ def setup(config: TrainConfig) -> Run:
     weights = config.reward_weights or [1.0] * len(reward_funcs)  # TrainConfig checked the count
     lr = config.lr or (TINY_LR if config.model == "tiny" else MODEL_LR)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(config.adam_betas), weight_decay=config.weight_decay)
+    optimizer = make_optimizer(params, config, lr, device, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, config.steps * config.mu))
     sampler = PromptSampler(train_records, config.prompts_per_step, seed=config.seed)
-    n_params = sum(p.numel() for p in model.parameters())  # (under FSDP2 the DTensors' global sizes)
+    # (under FSDP2 the DTensors' global sizes; a 4-bit weight by its unpacked shape)
+    n_params = sum(getattr(getattr(p, "quant_state", None), "shape", p.shape).numel() for p in model.parameters())
     n_train = sum(p.numel() for p in params)
     logger.info(
-        "model %s: %s, %.2fM parameters (%.2fM trained, float32 master weights), compute %s on %s (%d CPU threads%s); "
-        "fused-loss kernel path: %s; shared-prefix forward: %s; reference model: %s; rewards: %s; %d training "
-        "prompts, %d held-out",
-        config.model, type(unwrap(model)).__name__, n_params / 1e6, n_train / 1e6, dtype, device,
+        "model %s: %s, %.2fM parameters (%.2fM trained, float32 master weights%s; optimizer %s), compute %s on %s (%d "
+        "CPU threads%s); fused-loss kernel path: %s; shared-prefix forward: %s; reference model: %s; rewards: %s; %d "
+        "training prompts, %d held-out",
+        config.model, type(unwrap(model)).__name__, n_params / 1e6, n_train / 1e6,
+        f"; the base's linear layers in 4 bits ({config.bnb_4bit_quant_type})" if config.load_in_4bit else "",
+        config.optim, dtype, device,
         torch.get_num_threads(), f"; {world.size} processes, {world.strategy}" if world.distributed else "",
         impl, ("off" if not shared_ok else "on" if config.shared_prefix == "on"
                                         else f"auto (when it saves >= {SHARED_PREFIX_MIN_SAVING}x tokens)"),
@@ -578,7 +592,7 @@ def save_checkpoint(run: Run, directory: Path) -> Path:
     else:
         dist_.check_replicas(run.model, world)
         if world.is_main:
-            ckpt.save_atomic({**trainer_state, "model": run.model.state_dict(),
+            ckpt.save_atomic({**trainer_state, "model": trained_state(run.model, run.config),
                               "optimizer": run.optimizer.state_dict()}, path)
     if world.is_main:
         ckpt.prune(directory, run.config.keep_checkpoints)
@@ -636,7 +650,7 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
         if sharded:
             ckpt.load_sharded(run.model, run.optimizer, path)
         else:
-            run.model.load_state_dict(state["model"])
+            load_trained_state(run.model, state["model"], run.config)
             run.optimizer.load_state_dict(state["optimizer"])
         run.scheduler.load_state_dict(state["scheduler"])
         run.sampler.load_state_dict(state["sampler"])
