@@ -504,9 +504,11 @@ def homogeneity_p(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int, float]:
     return stat, dof, p
 
 
-def sampling(samples: int = 20000, seed: int = 0, overrides: dict | None = None, prompt_index: int = 0) -> dict:
-    """Each trainer's own sampling of one fixed prompt from the same weights: TRL's ``model.generate`` with
-    ``trainer.generation_config``, grpo-fast's ``rollout.generate``.
+def sampling(samples: int = 20000, seed: int = 0, overrides: dict | None = None, prompt_index: int = 0,
+             model: str | None = None) -> dict:
+    """Each trainer's own sampling of one fixed prompt from the same weights (the seed's initial tiny model, or the
+    ``save_pretrained`` directory ``model``, e.g. a trained run's ``model/`` whose distributions are peaked): TRL's
+    ``model.generate`` with ``trainer.generation_config``, grpo-fast's ``rollout.generate``.
 
     - from the same torch RNG state (TRL's global generator and grpo-fast's ``generator`` seeded alike), whole
       completions of ``max_new_tokens``: the fraction of rows that are identical;
@@ -521,7 +523,7 @@ def sampling(samples: int = 20000, seed: int = 0, overrides: dict | None = None,
     torch.set_num_threads(int(values["threads"]))
     batch = 2000
     with tempfile.TemporaryDirectory(prefix="lockstep_") as tmp:
-        model_dir = bench_peer.save_initial_model(Path(tmp) / "model", seed)
+        model_dir = model or bench_peer.save_initial_model(Path(tmp) / "model", seed)
         cfg = bench_peer.default_config(1, seed, str(Path(tmp) / "grpo_fast"), **values)
         trainer = bench_peer.build_trl_trainer(cfg, model_dir, str(Path(tmp) / "trl"))
         run = setup(bench_peer.default_config(1, seed, str(Path(tmp) / "grpo_fast"), **values, model=model_dir))
@@ -595,6 +597,10 @@ def main(argv=None) -> int:
                         + ", ".join(f"{k}={v}" for k, v in LOCKSTEP_DEFAULTS.items()) + ")")
     p.add_argument("--samples", type=int, default=20000, help="first tokens each trainer samples in part 2 "
                                                               "(0: skip part 2; default 20000)")
+    p.add_argument("--sampling-model", default=None, metavar="DIR",
+                   help="part 2 samples from this save_pretrained directory (e.g. a trained run's model/, whose "
+                        "distributions are peaked) instead of the seed's initial tiny model")
+    p.add_argument("--prompt-index", type=int, default=0, help="part 2's prompt: this training record (default 0)")
     p.add_argument("--out", type=Path, default=None,
                    help="also write every compared quantity (and the sampling tests) to this CSV, with the command "
                         "and commit (e.g. bench/results/lockstep_trl.csv)")
@@ -609,8 +615,8 @@ def main(argv=None) -> int:
     csv_rows = [dict(part="lockstep", options=options, seed=args.seed, step=r.step, quantity=r.quantity, diff=r.diff,
                      tolerance=r.tolerance, ok=r.ok, note=r.note) for r in rows]
     if args.samples:
-        s = sampling(args.samples, args.seed, overrides)
-        print(f"\nsampling, prompt {s['prompt']!r}:")
+        s = sampling(args.samples, args.seed, overrides, args.prompt_index, args.sampling_model)
+        print(f"\nsampling, prompt {s['prompt']!r}, {args.sampling_model or 'the initial model'}:")
         print(f"  from the same RNG state: {100 * s['identical_same_state']:.1f}% of {s['rows_same_state']} whole "
               "completions identical")
         print(f"  independent streams, {s['samples']} first tokens each over {s['vocab']} tokens:")

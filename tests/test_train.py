@@ -167,11 +167,13 @@ def _record_gradients(run) -> dict:
 
 @pytest.mark.parametrize("loss_type", [t.value for t in LossType])
 def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type):
-    """Micro-batches of 3 rows (uneven: 16 = 3*5 + 1) accumulate to the gradient of the whole generation, the KL
-    term and the entropy bonus included; the token-weighted metrics do not depend on the micro-batch size."""
+    """With ``token_mean="generation"``, micro-batches of 3 rows (uneven: 16 = 3*5 + 1) accumulate to the gradient of
+    the whole generation, the KL term and the entropy bonus included; the token-weighted metrics do not depend on the
+    micro-batch size. (``token_mean="micro_batch"``, TRL's per-micro-batch token means, is checked against TRL's own
+    loop in tests/test_lockstep_trl.py.)"""
     for micro in (16, 3):
         torch.manual_seed(0)
-        run, ro, adv = _one_generation(tmp_path, micro_batch_size=micro, **{
+        run, ro, adv = _one_generation(tmp_path, micro_batch_size=micro, token_mean="generation", **{
             "loss.loss_type": loss_type, "loss.beta": "0.05", "loss.entropy_coef": "0.01"})
         adv = torch.linspace(-1, 1, adv.shape[0])  # every row carries signal
         grads = _record_gradients(run)
@@ -399,12 +401,13 @@ def test_one_step_on_the_triton_kernel_path(tmp_path):
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs CUDA or the Triton interpreter (TRITON_INTERPRET=1, set by conftest on CPU machines)")
     torch.manual_seed(0)
-    run_t, ro, adv = _one_generation(tmp_path / "t", impl="triton", **{"loss.beta": "0.1", "loss.entropy_coef": "0.01"})
+    options = {"token_mean": "generation", "loss.beta": "0.1", "loss.entropy_coef": "0.01"}  # _reference_update's
+    run_t, ro, adv = _one_generation(tmp_path / "t", impl="triton", **options)
     adv = torch.linspace(-1, 1, adv.shape[0])
     g_t = _record_gradients(run_t)
     m_t = policy_update(run_t, ro, adv, None, reference_logprobs(run_t, ro))
     torch.manual_seed(0)
-    run_c, ro_c, _ = _one_generation(tmp_path / "c", impl="torch", **{"loss.beta": "0.1", "loss.entropy_coef": "0.01"})
+    run_c, ro_c, _ = _one_generation(tmp_path / "c", impl="torch", **options)
     assert torch.equal(ro.completion_ids, ro_c.completion_ids)
     g_c = _record_gradients(run_c)
     ref_logps = reference_logprobs(run_c, ro_c)
@@ -454,3 +457,12 @@ def test_a_replaced_model_without_its_wrapper_is_refused(tmp_path):
         evaluate(run)
     run.policy = PolicyForward(run.model)
     assert evaluate(run) is not None
+
+
+def test_token_mean_weight():
+    """A micro-batch's token mean counts 1 / micro_batches of the generation's (TRL's), or its share of the tokens."""
+    from grpo_fast.train.trainer import token_mean_weight
+
+    assert token_mean_weight("micro_batch", 3.0, 20.0, 4) == 0.25
+    assert token_mean_weight("generation", 3.0, 20.0, 4) == 0.15
+    assert token_mean_weight("generation", 0.0, 0.0, 1) == 0.0  # a generation without tokens divides by 1
