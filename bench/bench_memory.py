@@ -13,12 +13,13 @@ Configurations (``--configs``), all on the same model, prompts, group size and l
 One step = rollout (``grpo_fast.train.rollout.generate``: each prompt prefilled once, its KV cache repeated for the
 group; every completion runs to ``--completion-len`` tokens, no EOS) -> rule-based score -> no-grad passes (reference
 log-probs; PPO: critic values) -> advantages (GRPO: group-normalised; PPO: KL-penalised rewards and GAE) -> one
-update (forward, backward, gradient clipping, AdamW) on all rows at once -> gradients dropped. Parameters and AdamW
-states are float32 (the trainer's master weights), the reference is stored in ``--dtype`` and the forward passes run
-under autocast in ``--dtype`` (float32 on CPU: no autocast). ``--lora-r R`` and ``--gradient-checkpointing`` set the
-GRPO configurations' policy up as ``grpo-fast train`` does (``build_policy``): LoRA adapters on the trainer's default
-target modules over a base stored in ``--dtype``, the reference = the base with the adapters disabled, AdamW over the
-adapters; transformers' activation checkpointing of every decoder layer. PPO runs with full fine-tuning only.
+update (forward, backward, gradient clipping, the trainer's default optimizer: torch's fused AdamW) on all rows at
+once -> gradients dropped. Parameters and AdamW states are float32 (the trainer's master weights), the reference is
+stored in ``--dtype`` and the forward passes run under autocast in ``--dtype`` (float32 on CPU: no autocast).
+``--lora-r R`` and ``--gradient-checkpointing`` set the GRPO configurations' policy up as ``grpo-fast train`` does
+(``build_policy``): LoRA adapters on the trainer's default target modules over a base stored in ``--dtype``, the
+reference = the base with the adapters disabled, AdamW over the adapters; transformers' activation checkpointing of
+every decoder layer. PPO runs with full fine-tuning only.
 
 Per configuration the child runs one warm-up step (it creates AdamW's states), ``--reps`` timed steps, then one step
 under ``bench.memtrack.StorageTracker``, which counts live tensor storage by phase (rollout, prepare, forward,
@@ -273,8 +274,9 @@ def setup_config(name: str, spec: Shape, device: torch.device, compute_dtype: to
     ``shared_prefix_forward`` and that does not exist. ``model_config``: another transformers config to build
     (default: ``spec.config()``); ``training``: LoRA and activation checkpointing (GRPO configurations only)."""
     from grpo_fast.ppo import Critic, PPOConfig, ppo_step
+    from grpo_fast.train.config import TrainConfig
     from grpo_fast.train.forward import completion_hidden
-    from grpo_fast.train.model import frozen_copy
+    from grpo_fast.train.model import frozen_copy, make_optimizer
     from grpo_fast.train.rollout import SamplingParams
 
     cfg = CONFIGS[name]
@@ -289,7 +291,7 @@ def setup_config(name: str, spec: Shape, device: torch.device, compute_dtype: to
     critic = Critic.from_policy(policy, seed=seed) if cfg["method"] == "ppo" else None
     models = [policy] if critic is None else [policy, critic]
     params = [p for model in models for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=1e-6)
+    optimizer = make_optimizer(params, TrainConfig(optim=training.optim), 1e-6, device, policy)  # the trainer's
     gen = torch.Generator().manual_seed(seed)
     vocab = policy.config.vocab_size
     prompt_ids = torch.randint(2, vocab, (spec.prompts, spec.prompt_len), generator=gen).to(device)

@@ -9,20 +9,26 @@ size the calibration did not see, in every training mode.
 
 Training: full fine-tuning (float32 master weights and AdamW, a frozen reference in the compute dtype), or with
 --lora-r R the trainer's LoRA (adapters on the attention projections; the frozen base in the compute dtype; the
-reference is the base with the adapters disabled, no copy; gradients and AdamW states for the adapters only), with
-or without --gradient-checkpointing (each decoder layer's input kept, its activations recomputed in the backward).
-Without either flag the tables of the three usual set-ups are printed: full fine-tuning, full + checkpointing, and
-LoRA r=16 + checkpointing. PPO (actor, critic, reference) is modelled for full fine-tuning only, as the baseline.
+reference is the base with the adapters disabled, no copy; gradients and optimizer states for the adapters only),
+with --load-in-4bit over a 4-bit base (QLoRA: the decoder's projections in bitsandbytes' NF4 layout with double
+quantization, the rest in the compute dtype; r=16 unless --lora-r says otherwise), with or without
+--gradient-checkpointing (each decoder layer's input kept, its activations recomputed in the backward). --optim is
+the trainer's optimizer (default adamw_torch_fused; adamw_8bit: 8-bit AdamW states; the paged ones are counted as
+if their states stayed on the GPU). Without --lora-r, --gradient-checkpointing or --load-in-4bit the tables of the
+three usual set-ups are printed: full fine-tuning, full + checkpointing, and LoRA r=16 + checkpointing; with
+--load-in-4bit alone, QLoRA r=16 with and without checkpointing. PPO (actor, critic, reference) is modelled for full
+fine-tuning with the default optimizer only, as the baseline.
 
 Assumptions: the grpo-fast trainer's mixed precision (bf16 forward passes under autocast); one micro-batch = B
 prompts x G completions, every completion T tokens long; flash attention on CUDA; --headroom (default 10%) of the
-memory kept free for the CUDA context and allocator slack. Not modelled: 8-bit or fused optimizers, micro-batches
-smaller than the group, sharding over several GPUs, quantised (QLoRA) bases.
+memory kept free for the CUDA context and allocator slack. Not modelled: micro-batches smaller than the group,
+sharding over several GPUs, paged optimizers' eviction to CPU memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -30,15 +36,16 @@ from pathlib import Path
 import torch
 
 from grpo_fast.memory.models import MODELS, get_model
-from grpo_fast.memory.projection import (MAX_COMPLETION, Step, Training, calibration_path, coefficients,
-                                         largest_completion, load_calibration, peak, project, states_bytes,
-                                         trained_params)
+from grpo_fast.memory.projection import (DEFAULT_OPTIM, MAX_COMPLETION, Step, Training, calibration_path,
+                                         coefficients, largest_completion, load_calibration, optimizers, peak,
+                                         project, states_bytes, trained_params)
 
 CALIBRATION_DTYPES = ("float32", "bfloat16")
 GROUP_SIZES = (1, 2, 4, 8, 16, 32, 64)
 GIB = 1024**3
 # what --summary and --model print when no --lora-r or --gradient-checkpointing is given
 USUAL_TRAININGS = (Training(), Training(checkpointing=True), Training(lora_r=16, checkpointing=True))
+QLORA_TRAININGS = (Training(lora_r=16, load_in_4bit=True), Training(lora_r=16, checkpointing=True, load_in_4bit=True))
 
 
 def parse_memory(text: str) -> int:
@@ -90,7 +97,9 @@ def _states_line(shape, training: Training, compute_bytes: int) -> str:
     parts = []
     for m in training.methods():
         parts.append(f"{m} {sum(states_bytes(m, shape, compute_bytes, training).values()) / GIB:.1f} GiB")
-    what = "frozen base, adapters, their AdamW" if training.lora_r else "weights, AdamW, reference"
+    optimizer = "8-bit AdamW" if training.optim in ("adamw_8bit", "paged_adamw_8bit") else "AdamW"
+    what = (f"4-bit base with its compute-dtype embeddings, adapters, their {optimizer}" if training.load_in_4bit
+            else f"frozen base, adapters, their {optimizer}" if training.lora_r else f"weights, {optimizer}, reference")
     ppo = "; PPO: critic" if "ppo" in training.methods() else ""
     return (f"states alone ({what}{ppo}), {trained_params(shape, training) / 1e6:,.1f}M trained parameters: "
             + ", ".join(parts))
@@ -120,9 +129,9 @@ def format_fit(results: list[dict], memory: int, args, calibration: dict) -> str
 def _measured_line(args, calibration: dict) -> str:
     return (f"MEASURED (calibration {args.calibration_name}: {calibration['machine']}, {calibration['date']}, LoRA at "
             f"r={calibration['lora_r']}): activation bytes of this architecture's decoder layers per training mode, "
-            "the logits each method keeps per N x V, the KV cache's bytes per element; exact: parameter counts; "
-            "analytic, not measured: CUDA's AdamW temporaries and fused-loss workspace, other LoRA ranks' [S, r] "
-            "terms.")
+            "the logits each method keeps per N x V, the KV cache's bytes per element; exact: parameter counts, the "
+            "4-bit layout and 8-bit optimizer states; analytic, not measured: CUDA's optimizer temporaries and "
+            "fused-loss workspace, other LoRA ranks' [S, r] terms, the 4-bit matmul's dequantized weight.")
 
 
 def nothing_fits(args, calibration: dict, cases) -> ValueError:
@@ -178,6 +187,11 @@ def build_parser(prog: str = "grpo-fast fit") -> argparse.ArgumentParser:
                    help="LoRA rank, as grpo-fast train --lora-r (0: full fine-tuning)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="activation checkpointing, as grpo-fast train --gradient-checkpointing")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="QLoRA, as grpo-fast train --load-in-4bit: the base's projections in 4 bits (LoRA r=16 unless "
+                        "--lora-r)")
+    p.add_argument("--optim", choices=optimizers(), default=DEFAULT_OPTIM,
+                   help=f"the optimizer, as grpo-fast train --optim (default {DEFAULT_OPTIM})")
     p.add_argument("--prompts", type=int, default=1, help="prompts per micro-batch (default 1)")
     p.add_argument("--prompt-len", type=int, default=512, help="prompt tokens (default 512)")
     p.add_argument("--headroom", type=float, default=0.1,
@@ -196,9 +210,17 @@ def build_parser(prog: str = "grpo-fast fit") -> argparse.ArgumentParser:
 
 
 def trainings_of(args) -> tuple[Training, ...]:
-    if args.lora_r is None and not args.gradient_checkpointing:
-        return USUAL_TRAININGS
-    return (Training(lora_r=args.lora_r or 0, checkpointing=args.gradient_checkpointing),)
+    optim = getattr(args, "optim", DEFAULT_OPTIM)
+    if getattr(args, "load_in_4bit", False):
+        if args.lora_r is None:
+            trainings = QLORA_TRAININGS[1:] if args.gradient_checkpointing else QLORA_TRAININGS
+        else:
+            trainings = (Training(lora_r=args.lora_r, checkpointing=args.gradient_checkpointing, load_in_4bit=True),)
+    elif args.lora_r is None and not args.gradient_checkpointing:
+        trainings = USUAL_TRAININGS
+    else:
+        trainings = (Training(lora_r=args.lora_r or 0, checkpointing=args.gradient_checkpointing),)
+    return tuple(dataclasses.replace(t, optim=optim) for t in trainings)
 
 
 def calibrate(args) -> int:

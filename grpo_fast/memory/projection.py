@@ -21,14 +21,26 @@ the model adds up what is alive at the phase's largest moment, and the step's pe
               the forward ends
   logits      MEASURED per method: the most [N, V]-sized bytes alive at once in each phase of a small full step,
               per N x V (e.g. 3 fp32 copies in PPO's backward), times the projected N x V
-  optimizer   AdamW's step temporaries: on CPU measured (two copies of the largest trained parameter); on CUDA
-              analytic (torch's foreach AdamW keeps one fp32 temporary per trained parameter) -- not measured
+  optimizer   the optimizer's states (``Training.optim``): AdamW's two float32 moments, or bitsandbytes' 8-bit ones
+              (2 B per element and a float32 scale per 256-element block; tensors under 4096 elements and, in full
+              fine-tuning, the embedding keep 32-bit states). Step temporaries: none for the fused and the 8-bit
+              kernels (measured on CPU by bench/bench_qlora.py; analytic on CUDA); torch's unfused AdamW on CPU two
+              copies of the largest trained parameter (measured), on CUDA one fp32 temporary per trained parameter
+              (the foreach step; analytic)
   fused loss  the fused log-prob op's tiles and row buffers: on CPU its own chunk sizes; on CUDA the 64 MiB bound of
               DESIGN.md section 7 -- not measured
 
 LoRA ranks other than the calibrated one (``calibration["lora_r"]``) add or remove, per target projection, token and
 layer, the ``[S, r]`` output of ``lora_A`` that ``lora_B`` saves (compute-dtype bytes): analytic, checked by
 ``tests/test_memory.py`` at another rank.
+
+QLoRA (``Training.load_in_4bit``): the decoder's linear weights in bitsandbytes' 4-bit layout, exact: half a byte
+per weight, a scale per 64-weight block (with double quantization one byte, plus a float32 per 256 scales and the
+code tables), everything else (embeddings, an untied lm_head, norms, biases) in the compute dtype. The activations
+are LoRA's: bench/bench_qlora.py measured every phase's activations of a QLoRA step equal to LoRA's over a float
+base (the 4-bit matmul saves what the float one saves). Analytic: the 4-bit matmul dequantizes its weight into a
+compute-dtype temporary each time it runs (forward, backward, no-grad passes), so the moments inside the decoder
+hold one dequantized weight of the largest projection.
 """
 
 from __future__ import annotations
@@ -93,30 +105,54 @@ def lora_targets() -> tuple[str, ...]:
     return tuple(TrainConfig().lora_target_modules)
 
 
+def optimizers() -> tuple[str, ...]:
+    """The trainer's ``--optim`` names (``grpo_fast.train.config.OPTIMIZERS``; the first is its default)."""
+    from grpo_fast.train.config import OPTIMIZERS
+
+    return OPTIMIZERS
+
+
+DEFAULT_OPTIM = "adamw_torch_fused"  # the trainer's (TRL's) default
+EIGHT_BIT = ("adamw_8bit", "paged_adamw_8bit")
+
+
 @dataclass(frozen=True)
 class Training:
     """How the policy is trained, as ``grpo-fast train`` sets it up. ``lora_r`` > 0: rank-r LoRA adapters on the
     trainer's default target modules, the frozen base stored in the compute dtype, the reference = the base with
-    the adapters disabled; ``checkpointing``: transformers' activation checkpointing of every decoder layer."""
+    the adapters disabled; ``checkpointing``: transformers' activation checkpointing of every decoder layer;
+    ``load_in_4bit``: the base's decoder linear layers in 4 bits (QLoRA; ``double_quant``: their scales too);
+    ``optim``: the trainer's ``--optim``."""
 
     lora_r: int = 0
     checkpointing: bool = False
+    load_in_4bit: bool = False
+    double_quant: bool = True
+    optim: str = DEFAULT_OPTIM
 
     def __post_init__(self):
         if isinstance(self.lora_r, bool) or not isinstance(self.lora_r, int) or self.lora_r < 0:
             raise ValueError(f"--lora-r: expected an integer >= 0 (0: full fine-tuning), got {self.lora_r!r}")
+        if self.optim not in optimizers():
+            raise ValueError(f"--optim: expected one of {', '.join(optimizers())}, got {self.optim!r}")
+        if self.load_in_4bit and not self.lora_r:
+            raise ValueError("--load-in-4bit needs LoRA (the 4-bit base is frozen and only adapters train on it): "
+                             f"pass --lora-r R > 0, got {self.lora_r}")
 
     @property
     def mode(self) -> str:
-        """The calibration's key: full, full_ckpt, lora, lora_ckpt."""
+        """The calibration's key: full, full_ckpt, lora, lora_ckpt (QLoRA's activations are LoRA's)."""
         return ("lora" if self.lora_r else "full") + ("_ckpt" if self.checkpointing else "")
 
     def describe(self) -> str:
-        what = f"LoRA r={self.lora_r} on {', '.join(lora_targets())}" if self.lora_r else "full fine-tuning"
-        return what + (" + activation checkpointing" if self.checkpointing else "")
+        what = (f"{'QLoRA' if self.load_in_4bit else 'LoRA'} r={self.lora_r} on {', '.join(lora_targets())}"
+                + (" over a 4-bit base" if self.load_in_4bit else "")) if self.lora_r else "full fine-tuning"
+        what += " + activation checkpointing" if self.checkpointing else ""
+        return what + (f", {self.optim}" if self.optim != DEFAULT_OPTIM else "")
 
     def methods(self) -> list[str]:
-        """PPO is modelled (and measured) for full fine-tuning without checkpointing only: the baseline."""
+        """PPO is modelled (and measured) for full fine-tuning without checkpointing, with the default optimizer,
+        only: the baseline."""
         return [m for m in METHODS if not (METHODS[m]["ppo"] and self != Training())]
 
 
@@ -133,15 +169,70 @@ def critic_params(shape: ModelShape) -> int:
     return shape.num_params() - untied_head + shape.hidden_size
 
 
+def quantized_linears(shape: ModelShape) -> list[int]:
+    """The element counts of the weights a 4-bit base stores in 4 bits: every decoder projection of every layer
+    (transformers leaves the embeddings and the lm_head unquantized)."""
+    return [i * o for i, o in shape.linear_shapes().values()] * shape.num_hidden_layers
+
+
+BNB_BLOCK, BNB_NESTED_BLOCK, BNB_CODE = 64, 256, 16  # bitsandbytes' 4-bit blocks, nested blocks, NF4/FP4 code
+
+
+def bytes_4bit(n: int, double_quant: bool) -> float:
+    """One ``n``-element weight in bitsandbytes' 4-bit layout: packed values, the blocks' scales (double
+    quantization: uint8 plus a float32 per 256 of them, an offset and the 256-entry code) and the 16-entry code."""
+    blocks = math.ceil(n / BNB_BLOCK)
+    if double_quant:
+        scales = blocks + 4.0 * math.ceil(blocks / BNB_NESTED_BLOCK) + 4.0 * (BNB_NESTED_BLOCK + 1)
+    else:
+        scales = 4.0 * blocks
+    return n / 2 + scales + 4.0 * BNB_CODE
+
+
+def trained_tensors(shape: ModelShape, training: Training) -> list[tuple[int, bool]]:
+    """``(elements, is_embedding)`` of every trained tensor: the LoRA matrices, or every parameter of the model."""
+    L, H = shape.num_hidden_layers, shape.hidden_size
+    linears = shape.linear_shapes()
+    if training.lora_r:
+        r = training.lora_r
+        return [(n, False) for t in lora_targets() for n in (r * linears[t][0], linears[t][1] * r)] * L
+    q_out, kv_out = shape.num_attention_heads * shape.head_dim, shape.num_key_value_heads * shape.head_dim
+    layer = [i * o for i, o in linears.values()] + [H] * shape.norms_per_layer
+    layer += [q_out, kv_out, kv_out] if shape.attention_bias else []
+    layer += [shape.head_dim] * 2 if shape.qk_norm else []
+    head = [] if shape.tie_word_embeddings else [(shape.vocab_size * H, False)]
+    return [(shape.vocab_size * H, True), *head, *((n, False) for n in layer * L), (H, False)]
+
+
+EIGHT_BIT_MIN, EIGHT_BIT_BLOCK = 4096, 256  # bitsandbytes' min_8bit_size and its optimizers' block
+
+
+def optimizer_state_bytes(shape: ModelShape, training: Training) -> float:
+    """The optimizer's states: two float32 moments per trained element, or for 8-bit AdamW one byte each and a
+    float32 scale per 256-element block of each moment, and the two 256-entry quantization maps they share (tensors
+    under 4096 elements, and the embedding, which transformers' override keeps at 32 bits, stay float32)."""
+    tensors = trained_tensors(shape, training)
+    if training.optim not in EIGHT_BIT:
+        return 8.0 * sum(n for n, _ in tensors)
+    eight_bit = [n for n, embedding in tensors if n >= EIGHT_BIT_MIN and not embedding]
+    maps = 2 * 4.0 * EIGHT_BIT_BLOCK if eight_bit else 0.0
+    return (sum(2.0 * n + 8.0 * math.ceil(n / EIGHT_BIT_BLOCK) for n in eight_bit) + maps
+            + 8.0 * sum(n for n, embedding in tensors if n < EIGHT_BIT_MIN or embedding))
+
+
 def states_bytes(method: str, shape: ModelShape, compute_bytes: int, training: Training = Training()) -> dict:
-    """Weights, AdamW states and PPO's critic: what every phase holds."""
+    """Weights, optimizer states and PPO's critic: what every phase holds."""
     psi, trained = shape.num_params(), trained_params(shape, training)
-    if training.lora_r:  # the frozen base in the compute dtype, float32 adapters; the reference is the base
+    if training.load_in_4bit:  # the decoder's projections in 4 bits, the rest in the compute dtype
+        quantized = quantized_linears(shape)
+        weights = (sum(bytes_4bit(n, training.double_quant) for n in quantized)
+                   + compute_bytes * (psi - sum(quantized)) + 4.0 * trained)
+    elif training.lora_r:  # the frozen base in the compute dtype, float32 adapters; the reference is the base
         weights = compute_bytes * psi + 4.0 * trained
     else:  # float32 master weights and the frozen reference in the compute dtype
         weights = 4.0 * psi + compute_bytes * psi
     critic = 12.0 * critic_params(shape) if METHODS[method]["ppo"] else 0.0
-    return dict(weights=weights, optimizer=8.0 * trained, critic=critic)
+    return dict(weights=weights, optimizer=optimizer_state_bytes(shape, training), critic=critic)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -243,6 +334,8 @@ class Step:
 
 
 def adam_temporaries(shape: ModelShape, trained: int, device: str, training: Training = Training()) -> float:
+    if training.optim != "adamw_torch":  # fused and 8-bit kernels update in place (CPU: measured; CUDA: analytic)
+        return 0.0
     if device == "cuda":
         return 4.0 * trained  # foreach AdamW: one fp32 temporary per trained parameter (analytic)
     if training.lora_r:  # single-tensor AdamW: two temporaries of the largest adapter matrix
@@ -317,6 +410,9 @@ def project(method: str, shape: ModelShape, step: Step, decoder: DecoderBytes, l
         saved += L * per_layer
         inside = [forward_peak + L * per_layer]
 
+    # a 4-bit matmul's dequantized weight, alive inside the decoder while the largest projection runs
+    dequant = compute_bytes * max(i * o for i, o in shape.linear_shapes().values()) if training.load_in_4bit else 0.0
+    inside = [moment + dequant for moment in inside]
     head_trained = not lora
     head_copy = V * H * compute_bytes if bf16 and head_trained else 0.0  # the loss's lm_head weight, cast
     autocast_copies = compute_bytes * trained if bf16 else 0.0  # generate runs under one autocast region
@@ -326,13 +422,14 @@ def project(method: str, shape: ModelShape, step: Step, decoder: DecoderBytes, l
     d_hidden = N * H * compute_bytes  # the loss's gradient of the hidden states
     head_grad = V * H * 4.0 if head_trained else 0.0
 
-    prepare = [dict(states, activations=decoder.nograd * tokens),  # inside the reference's decoder
+    prepare = [dict(states, activations=decoder.nograd * tokens + dequant),  # inside the reference's decoder
                dict(states, activations=hidden + ws["prepare"], logits=logits.prepare * N * V)]  # its log-probs
     if m["ppo"]:  # the value pass: the critic's float32 weights are cast for it under autocast
         prepare.append(dict(states, activations=decoder.nograd * tokens + (compute_bytes * psi_critic if bf16 else 0)))
-    phases = {
-        "rollout": dict(states, kv_cache=kv_cache_bytes(shape, R, S - 1, logits.kv), logits=logits.rollout * R * V,
-                        activations=autocast_copies),
+    kv = kv_cache_bytes(shape, R, S - 1, logits.kv)
+    phases = {  # the rollout's last step: its logits, or (4-bit) a dequantized weight inside the decoder
+        "rollout": largest(dict(states, kv_cache=kv, logits=logits.rollout * R * V, activations=autocast_copies),
+                           dict(states, kv_cache=kv, activations=autocast_copies + dequant)),
         "prepare": largest(*prepare),
     }
     # the end of the forward: what the backward will use (PPO: the critic's forward came after the actor's loss, so
@@ -351,9 +448,9 @@ def project(method: str, shape: ModelShape, step: Step, decoder: DecoderBytes, l
                          logits=logits.backward * N * V)
     # then the decoder's backward, from its last layer (the lm_head's gradient, tied: the embedding's, waiting for
     # the embedding's part) to its first (what the first layer saved, the other layers' gradients made)
-    decoder_start = dict(states, activations=saved + backward + d_hidden, gradients=head_grad)
+    decoder_start = dict(states, activations=saved + backward + d_hidden + dequant, gradients=head_grad)
     first_layer = decoder.layer(rows, length, flash) + decoder.outside(rows, length, flash) + (0 if ckpt else per_layer)
-    decoder_end = dict(states, activations=first_layer + backward, gradients=4.0 * trained)
+    decoder_end = dict(states, activations=first_layer + backward + dequant, gradients=4.0 * trained)
     if m["ppo"]:
         for moment in (loss_backward, decoder_start, decoder_end):
             moment["critic"] += 4.0 * psi_critic
