@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv and installs grpo-fast with its test, benchmark, TRL and quant (bitsandbytes) extras. Idempotent; safe on a
-# fresh machine.
+# Creates .venv and installs grpo-fast with its test, benchmark, TRL and quant (bitsandbytes) extras. Idempotent;
+# safe on a fresh machine.
 # On a machine without an NVIDIA driver the CPU build of torch is pinned first (a plain `pip install torch` would
 # pull a multi-GB CUDA build).
 set -euo pipefail
