@@ -83,13 +83,24 @@ def resume_command(argv: list[str]) -> str:
     return f"{prog} {shlex.join([*args, '--resume'])}"
 
 
-def _flag_names(message: str, overrides: dict) -> str:
-    """The message with each config field the user set by a flag named as that flag: ``TrainConfig.max_new_tokens``
-    -> ``--max-new-tokens``, ``GRPOLossConfig.beta`` -> ``--loss.beta`` (fields from a file keep their names)."""
+def _flag_names(message: str, overrides: dict, file_values: dict) -> str:
+    """The message with each config field named as the flag that sets it, ``TrainConfig.max_new_tokens`` ->
+    ``--max-new-tokens``, ``GRPOLossConfig.beta`` -> ``--loss.beta``, unless its value came from the config file
+    (``file_values``) and no flag overrode it: those keep the names the file uses."""
+    from grpo_fast.train.config import field_help
+
+    flags = {flag for _, flag, _, _ in field_help()}
+    loss_table = file_values.get("loss") if isinstance(file_values.get("loss"), dict) else {}
+
     def flag(match: re.Match) -> str:
         owner, field = match.groups()
-        dest = f"loss.{field}" if owner == "GRPOLossConfig" else field.replace("_", "-")
-        return f"--{dest}" if dest in overrides else match.group(0)
+        if owner == "GRPOLossConfig":
+            dest, from_file = f"loss.{field}", field in loss_table or f"loss.{field}" in file_values
+        else:
+            dest, from_file = field.replace("_", "-"), field in file_values
+        if f"--{dest}" not in flags or (from_file and dest not in overrides):
+            return match.group(0)
+        return f"--{dest}"
 
     return re.sub(r"\b(TrainConfig|GRPOLossConfig)\.(\w+)", flag, message)
 
@@ -105,9 +116,12 @@ def _error(args: argparse.Namespace, message: str, error: BaseException) -> None
 
 def _reward_failed(args: argparse.Namespace, argv: list[str], e) -> int:
     """A reward function raised (``RewardError``, its message ends with when): one line that says what is saved and
-    how to go on; the function's traceback with ``--debug``. Exit status 1: the run failed, not its options."""
+    how to go on; the function's traceback with ``--debug``. Exit status 1 (train and eval alike): the run failed,
+    not its options."""
     if e.checkpoint is not None:
         then = f"resume from {e.checkpoint}: fix the function, then run: {resume_command(argv)}"
+    elif args.command == "eval":
+        then = "nothing was written: fix the function and run the same command again"
     else:
         then = "nothing was trained or saved: fix the function and run the same command again"
     debug = "" if args.debug else " (--debug: the traceback)"
@@ -139,6 +153,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from grpo_fast.train.trainer import TrainingInterrupted
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug")}
+    file_values: dict = {}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         prepared = prepare(build_config(file_values, overrides, file_name=f"--config {args.config}"))
@@ -146,7 +161,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         e.when = e.when or "in the evaluation before training"
         return _reward_failed(args, argv, e)
     except _INPUT_ERRORS as e:  # a one-line message that names the option; errors later keep their traceback
-        _error(args, _flag_names(str(e), overrides), e)
+        _error(args, _flag_names(str(e), overrides, file_values), e)
         return 2
     except KeyboardInterrupt:
         print(f"grpo-fast {args.command}: interrupted before the first step; nothing was trained or saved",
@@ -308,6 +323,8 @@ def _eval_parser(sub) -> None:
     add("--seed", metavar="N", default="0", help="sampling seed (default 0)")
     add("--output", metavar="FILE", default=None, help="JSON result file, replaced (default: eval.json inside the "
         "--model directory)")
+    add("--debug", action="store_true", help="with an error (a bad option, a reward function that raised), also "
+        "print its traceback")
 
 
 def _eval_options(args: argparse.Namespace):
@@ -338,9 +355,12 @@ def _eval_options(args: argparse.Namespace):
     )
 
 
-def _model_command(args: argparse.Namespace) -> int:
-    """``grpo-fast export`` and ``grpo-fast eval``: bad input is one line naming the argument, exit code 2."""
+def _model_command(args: argparse.Namespace, argv: list[str]) -> int:
+    """``grpo-fast export`` and ``grpo-fast eval``: bad input is one line naming the argument, exit code 2; a reward
+    function that raised in eval is one line naming it, exit code 1 (as in train). ``--debug``: the traceback too."""
     import json
+
+    from grpo_fast.train.rewards import RewardError
 
     try:
         if args.command == "export":
@@ -359,8 +379,11 @@ def _model_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--output: expected a file path, got the directory {str(output)!r}")
         check_writable(output.parent, "--output" if args.output else "--output (default: inside --model)")
         result = evaluate_model(options)
+    except RewardError as e:
+        e.when = e.when or "in the evaluation"
+        return _reward_failed(args, argv, e)
     except _INPUT_ERRORS as e:
-        print(f"grpo-fast {args.command}: error: {e}", file=sys.stderr)
+        _error(args, str(e), e)
         return 2
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=1) + "\n")
@@ -430,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "run"):  # a subcommand that names its own function
         return args.run(args)
     if args.command in ("export", "eval"):
-        return _model_command(args)
+        return _model_command(args, argv)
     if args.command != "train":  # "grpo-fast bench" without a benchmark name
         parser.parse_args([args.command, "--help"])
     return _train(args, argv)

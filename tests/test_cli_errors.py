@@ -97,6 +97,28 @@ def test_the_whole_dataset_is_checked_before_step_1(problem, tmp_path, capsys):
     assert f"{data}, line 30: {expected}" in line
 
 
+def test_a_default_value_in_an_error_is_named_as_its_flag(tmp_path, capsys):
+    """An error about a field the user left at its default names the flag that changes it (a field from --config
+    keeps the file's name for it)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": "1 " * 300, "answer": "1"}) + "\n")
+    line = _one_line_error(capsys, ["train", *TINY, "--dataset", str(data), "--output-dir", str(tmp_path / "run")])
+    assert line == (f"grpo-fast train: error: {data}, line 1: the prompt is 600 tokens long once rendered, more than "
+                    "--max-prompt-length 512; raise --max-prompt-length or drop the long prompts")
+    config = tmp_path / "c.toml"
+    config.write_text("max_prompt_length = 500\n")
+    line = _one_line_error(capsys, ["train", *TINY, "--config", str(config), "--dataset", str(data), "--output-dir",
+                                    str(tmp_path / "run")])
+    assert "more than TrainConfig.max_prompt_length 500;" in line
+
+
+def test_a_prompt_column_the_builtin_records_lack_is_one_line(tmp_path, capsys):
+    line = _one_line_error(capsys, ["train", *TINY, "--prompt-column", "question", "--output-dir",
+                                    str(tmp_path / "run")])
+    assert line == ("grpo-fast train: error: --prompt-column: expected a column of builtin:digits's records "
+                    "('prompt', 'answer'; the prompt is 'prompt'), got 'question'")
+
+
 def test_a_failed_start_does_not_block_the_rerun(tmp_path, capsys):
     """A reward that fails in the before-evaluation stops the run before anything is written; the corrected rerun
     needs no --overwrite. A start that failed in step 1 (metrics.jsonl with a start line only) blocks nothing either."""
@@ -322,6 +344,24 @@ def test_a_model_directory_without_a_tokenizer_is_one_line(tokenizer, tmp_path, 
     assert missing in line
 
 
+@pytest.mark.parametrize("damage", ["empty", "truncated"])
+def test_damaged_model_weights_are_one_line_naming_the_file(damage, tmp_path, capsys):
+    """train --model DIR with an empty or truncated model.safetensors: the check eval makes (a raw SafetensorError
+    traceback otherwise), one line naming --model and the file; nothing written."""
+    from train_helpers import save_local_model
+
+    model = save_local_model(tmp_path / "model", "qwen2", None)
+    weights = Path(model) / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"" if damage == "empty" else data[: len(data) // 2])
+    reason = {"empty": "header too small", "truncated": "incomplete metadata, file not fully covered"}[damage]
+    out = tmp_path / "run"
+    line = _last_error_line(capsys, ["train", *TINY, "--model", model, "--output-dir", str(out)], 2)
+    assert line == (f"grpo-fast train: error: --model: {weights} cannot be read (SafetensorError: Error while "
+                    f"deserializing header: {reason}); an empty or truncated copy? Export or copy the model again")
+    assert not out.exists()
+
+
 REWARDS = '''calls = 0
 
 
@@ -394,6 +434,23 @@ def test_a_reward_that_raises_in_the_evaluation_and_debug_shows_the_traceback(tm
     assert err[0] == "Traceback (most recent call last):" and err[-2] == "KeyError: 'answer_typo'"
     file, line = _raising_line(spec).rsplit(":", 1)
     assert f'File "{file}", line {line}, in flaky' in "\n".join(err)
+
+
+def test_a_reward_that_calls_sys_exit_mid_run_is_a_reward_failure(tmp_path, capsys):
+    """SystemExit from a reward function (sys.exit in it, at step 2) is handled like any exception from one: one line
+    naming the function, its line and the step, and step 1 saved to resume from."""
+    rewards = tmp_path / "leaving.py"
+    rewards.write_text("calls = 0\n\n\ndef leaves(prompts, completions, **kwargs):\n    global calls\n"
+                       "    calls += 1  # the before-evaluation is call 1\n    if calls == 3:\n"
+                       "        raise SystemExit('bye')\n    return [float(len(c)) for c in completions]\n")
+    out = tmp_path / "run"
+    argv = ["train", *TINY[2:], "--steps", "3", "--rewards", f"{rewards}:leaves", "--output-dir", str(out)]
+    line = _last_error_line(capsys, argv, 1)
+    saved = ckpt.checkpoint_path(out / "checkpoints", 1)
+    assert line == (f"grpo-fast train: error: reward_func leaves ({rewards}:8) raised SystemExit: bye at step 2; "
+                    f"resume from {saved}: fix the function, then run: {resume_command(argv)} (--debug: the "
+                    "traceback)")
+    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [1]
 
 
 def test_a_reward_that_scores_nothing_reads_n_a(tmp_path, capsys):

@@ -146,3 +146,45 @@ def test_help_explains(capsys):
     text = capsys.readouterr().out
     for phrase in ("--samples", "mean@K", "pass@K", "--temperature", "eval_after", "--base-model"):
         assert phrase in text, phrase
+
+
+UNSCORED = "def unscored(prompts, completions, **kwargs):\n    return [None] * len(completions)\n"
+RAISES = "def raises(prompts, completions, **kwargs):\n    return [float(kwargs['answer_typo']) for _ in completions]\n"
+
+
+def test_an_unscored_evaluation_reads_n_a_and_writes_null(trained, tmp_path, capsys):
+    """A reward that scores nothing: mean@K and pass@K are n/a (null in eval.json) and every reward null, not 0."""
+    _, model_dir = trained
+    (tmp_path / "unscored.py").write_text(UNSCORED)
+    result, printed = _eval(tmp_path, capsys, "--model", str(model_dir), "--dataset", "builtin:digits", "--limit",
+                            "3", "--samples", "2", "--rewards", f"{tmp_path / 'unscored.py'}:unscored")
+    assert result["mean@2"] is None and result["pass@2"] is None
+    assert [p["rewards"] for p in result["per_prompt"]] == [[None, None]] * 3
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in printed.splitlines()[2:-1]}
+    assert rows["mean@2 (mean reward)"] == rows["pass@2 (reward >= 1)"] == "n/a (no completion was scored)"
+
+
+def test_a_reward_that_raises_is_exit_1_as_in_train_and_debug_shows_the_traceback(trained, tmp_path, capsys):
+    _, model_dir = trained
+    (tmp_path / "raising.py").write_text(RAISES)
+    spec = f"{tmp_path / 'raising.py'}:raises"
+    argv = ["eval", "--model", str(model_dir), "--dataset", "builtin:digits", "--limit", "2", "--rewards", spec,
+            "--output", str(tmp_path / "eval.json")]
+    expected = (f"grpo-fast eval: error: reward_func raises ({tmp_path / 'raising.py'}:2) raised KeyError: "
+                "'answer_typo' in the evaluation; nothing was written: fix the function and run the same command "
+                "again")
+    assert main(argv) == 1
+    assert capsys.readouterr().err.strip() == expected + " (--debug: the traceback)"
+    assert main([*argv, "--debug"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == "Traceback (most recent call last):" and err[-2] == "KeyError: 'answer_typo'", err
+    assert err[-1] == expected and f'File "{tmp_path / "raising.py"}", line 2, in raises' in "\n".join(err)
+    assert not (tmp_path / "eval.json").exists()
+
+
+def test_a_prompt_column_the_builtin_records_lack_is_one_line(trained, capsys):
+    _, model_dir = trained
+    assert main(["eval", "--model", str(model_dir), "--dataset", "builtin:digits", "--prompt-column", "nope"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "grpo-fast eval: error: --prompt-column: expected a column of builtin:digits's records ('prompt', 'answer'; "
+        "the prompt is 'prompt'), got 'nope'")

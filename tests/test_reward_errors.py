@@ -29,6 +29,10 @@ class Scorer:
 
 def interrupted(prompts, completions, **kwargs):
     raise KeyboardInterrupt
+
+
+def leaves(prompts, completions, **kwargs):
+    raise SystemExit(3)
 '''
 
 
@@ -76,3 +80,10 @@ def test_callable_objects_partials_and_multi_line_messages(module, tmp_path, mon
 def test_keyboard_interrupt_is_not_a_reward_failure(module):
     with pytest.raises(KeyboardInterrupt):
         compute_rewards([module.interrupted], ["p"], ["a"], {})
+
+
+def test_system_exit_is_a_reward_failure(module):
+    """sys.exit in a reward function (any BaseException but KeyboardInterrupt) fails the function, not the run."""
+    e = _error(module.leaves)
+    assert str(e) == "reward_func leaves (my_rewards.py:22) raised SystemExit: 3"
+    assert isinstance(e.error, SystemExit) and e.__cause__ is e.error

@@ -1,9 +1,10 @@
 """Checkpoints cannot run code: a pickle payload planted on every path that reads a checkpoint file (resume through
 ``grpo-fast train``, ``grpo-fast export`` of a ``.pt`` and of a ``.dcp`` directory's ``trainer_state.pt``,
-``.metadata`` and non-tensor entries, ``grpo-fast eval``'s weights) is refused unread, with one line naming the
-file and the global; the payload, which would create a marker file, never runs. A checkpoint of the previous format
-(numpy RNG state) is refused with the conversion command, and ``grpo-fast convert-checkpoint --trust`` makes it
-resume to the parameters of an uninterrupted run."""
+``.metadata`` and non-tensor entries, the weights of ``grpo-fast eval --model`` and ``grpo-fast train --model``) is
+refused unread, with one line naming the file and the global; the payload, which would create a marker file, never
+runs. A checkpoint of the previous format (numpy RNG state) is refused with the conversion command, and ``grpo-fast
+convert-checkpoint --trust`` makes it resume to the parameters of an uninterrupted run; its NEW is checked first. A
+file in torch.save's legacy format says so. (The TRL drop-in's resume: tests/test_trl_checkpoint_safety.py.)"""
 
 from __future__ import annotations
 
@@ -179,6 +180,22 @@ def test_eval_refuses_a_planted_weights_file(run_dir, tmp_path, capsys):
     assert not marker.exists() and not (model / "eval.json").exists()
 
 
+def test_train_refuses_a_planted_weights_file(tmp_path, capsys):
+    """``train --model DIR`` whose weights are a pytorch_model.bin payload: the same one-line refusal as eval's
+    (transformers' weights-only load would refuse it too, as a multi-frame UnpicklingError), nothing written."""
+    from train_helpers import save_local_model
+
+    model = tmp_path / "model"
+    save_local_model(model, "qwen2", None)
+    (model / "model.safetensors").unlink()
+    marker = tmp_path / "MARKER"
+    torch.save({"lm_head.weight": Payload(marker)}, model / "pytorch_model.bin")
+    out = tmp_path / "run"
+    line = _one_line(capsys, ["train", *TINY, "--model", str(model), "--output-dir", str(out)], "train")
+    assert line == f"--model: {_refusal(model / 'pytorch_model.bin')}"
+    assert not marker.exists() and not out.exists()
+
+
 # --------------------------------------------------------------------------------------------- the older format
 
 
@@ -241,3 +258,36 @@ def test_convert_writes_a_new_sharded_checkpoint_and_keeps_the_old(run_dir, tmp_
         ckpt.read_state(old)
     line = _one_line(capsys, ["convert-checkpoint", str(old), str(new), "--trust"], "convert-checkpoint")
     assert line == f"NEW: {new} exists; choose a new path, or pass OLD again to convert it in place"
+
+
+@pytest.mark.parametrize("where", ["below a file", "unwritable", "empty"])
+def test_convert_checks_new_first_and_names_it_as_typed(tmp_path, capsys, where):
+    """A NEW that cannot be written is one line naming NEW as typed (not the temporary file beside it, not a raw
+    errno), before OLD is read."""
+    from train_helpers import unwritable_path
+
+    old = tmp_path / "checkpoint-000001.pt"
+    torch.save({"step": 1}, old)
+    (tmp_path / "a-file").write_text("")
+    new = {"below a file": f"{tmp_path}/a-file/checkpoint-000001.pt",
+           "unwritable": f"{unwritable_path(tmp_path)}/checkpoint-000001.pt", "empty": ""}[where]
+    line = _one_line(capsys, ["convert-checkpoint", str(old), new, "--trust"], "convert-checkpoint")
+    expected = {"below a file": f"NEW: cannot write {new}: cannot create or write in {tmp_path}/a-file "
+                                f"({tmp_path}/a-file is a file, not a directory)",
+                "unwritable": f"NEW: cannot write {new}: cannot create or write in {os.path.dirname(new)} (",
+                "empty": "NEW: expected the path of the converted checkpoint, got ''"}[where]
+    assert line.startswith(expected) and ".tmp" not in line and "Errno" not in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", old.name] + (["read-only"] if os.geteuid() else [])
+
+
+def test_a_legacy_torch_save_file_is_named_as_such(tmp_path):
+    """torch.save's old (non-zip) format is not "not a torch.save archive": the message says what it is."""
+    path = tmp_path / "checkpoint-000001.pt"
+    torch.save({"step": 1}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(ckpt.DamagedCheckpoint) as info:
+        ckpt.load(path)
+    assert str(info.value) == (f"{path} cannot be read (an old (non-zip) torch.save format; re-save it with a "
+                               "current torch)")
+    path.write_bytes(b"garbage\n" * 8)
+    with pytest.raises(ckpt.DamagedCheckpoint, match=r"\(not a torch.save archive\)$"):
+        ckpt.load(path)

@@ -25,6 +25,7 @@ unpickled without the allow-list.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import random
@@ -58,6 +59,10 @@ _METADATA_GLOBALS = frozenset({
     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib._local", "PosixPath"),  # StorageMeta's path
 })
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+# torch.save's format before torch 1.6 (_use_new_zipfile_serialization=False) starts with a pickled magic number,
+# a 10-byte long after the pickle's protocol (and frame) opcodes
+_LEGACY_MAGIC = torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
+_HEAD_BYTES = 32
 
 
 class DamagedCheckpoint(ValueError):
@@ -159,16 +164,19 @@ def check_safe(file: str | os.PathLike | IO[bytes], name: str | None = None) -> 
     name = str(file) if name is None else name
     buffer = not isinstance(file, (str, os.PathLike))
     start = file.tell() if buffer else 0
-    magic = b""
+    head = b""
     try:
         if buffer:
-            magic = file.read(len(_ZIP_MAGIC))
+            head = file.read(_HEAD_BYTES)
             file.seek(start)
         else:
             with open(file, "rb") as f:
-                magic = f.read(len(_ZIP_MAGIC))
+                head = f.read(_HEAD_BYTES)
+        magic = head[:len(_ZIP_MAGIC)]
         if magic != _ZIP_MAGIC:
-            what = "the file is empty" if not magic else "not a torch.save archive"
+            what = ("the file is empty" if not head else
+                    "an old (non-zip) torch.save format; re-save it with a current torch" if _LEGACY_MAGIC in head
+                    else "not a torch.save archive")
             raise DamagedCheckpoint(f"{name} cannot be read ({what})")
         unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
     except DamagedCheckpoint:
@@ -204,6 +212,48 @@ def load(file: str | os.PathLike | IO[bytes], name: str | None = None) -> Any:
     if where is not None:
         raise DamagedCheckpoint(f"{name} holds {where}, which no checkpoint holds (only {_PLAIN_NAMES})")
     return state
+
+
+def check_weights(directory: str | Path, flag: str, stem: str = "model") -> None:
+    """Refuses, in one line naming ``flag`` and the file, a model directory whose weights would not load whole
+    (``stem``: ``model`` or ``adapter_model``): none at all (the trainer's loader would build random weights from
+    config.json), a missing shard of ``STEM.safetensors.index.json``, a ``.safetensors`` file that is empty or
+    truncated (its header is read, and must cover the file), or a ``.bin`` whose pickle needs more than tensors
+    (:func:`check_safe`; transformers would refuse it too, with a traceback). ``grpo-fast train --model`` and
+    ``grpo-fast eval --model`` / ``--base-model`` read their weights after this check."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    index = directory / f"{stem}.safetensors.index.json"
+    files = [directory / f"{stem}.safetensors"]
+    if index.is_file():
+        try:
+            files = [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{flag}: {index} cannot be read ({type(e).__name__}: {e})") from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{flag}: {directory} lacks {missing[0]}, a shard its {index.name} names"
+                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    files = [f for f in files if f.is_file()]
+    bins = sorted(directory.glob(f"{'pytorch_model' if stem == 'model' else stem}*.bin"))
+    if not files and not bins:
+        raise FileNotFoundError(f"{flag}: {directory} holds no weights (no {stem}.safetensors); a saved model is "
+                                "output_dir/model of a run, or grpo-fast export's OUT_DIR")
+    for file in files:
+        try:
+            with safe_open(str(file), "pt"):  # the header, checked against the file's length
+                pass
+        except Exception as e:  # safetensors' SafetensorError (a Rust exception), OSError
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise ValueError(f"{flag}: {file} cannot be read ({type(e).__name__}: {reason}); an empty or truncated "
+                             "copy? Export or copy the model again") from None
+    for file in bins:
+        try:
+            check_safe(file)
+        except (DamagedCheckpoint, UnsafeCheckpoint) as e:
+            raise ValueError(f"{flag}: {e}") from None
+
 
 
 def read_state(path: Path) -> dict:
@@ -332,22 +382,24 @@ def prune(directory: Path, keep: int) -> None:
             remove(p)
 
 
-def check_writable(directory: str | Path, name: str) -> None:
+def check_writable(directory: str | Path, name: str, file: str | Path | None = None) -> None:
     """Raises ValueError naming ``name`` (the flag or argument) and ``directory`` as given, unless ``directory``
-    takes files or can be created. Creates nothing: the probe is a temporary file in ``directory``, or a temporary
+    takes files or can be created; with ``file`` (what will be written in ``directory``, as the user typed it) the
+    message names it first. Creates nothing: the probe is a temporary file in ``directory``, or a temporary
     directory in its nearest existing ancestor, removed at once."""
     path = Path(directory)
     existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    prefix = f"{name}: " + (f"cannot write {file}: " if file is not None else "")
     try:
         if not existing.is_dir():
-            raise ValueError(f"{name}: cannot create or write in {directory} ({existing} is a file, not a directory)")
+            raise ValueError(f"{prefix}cannot create or write in {directory} ({existing} is a file, not a directory)")
         if existing == path:
             with tempfile.TemporaryFile(dir=path):
                 pass
         else:
             os.rmdir(tempfile.mkdtemp(dir=existing))
     except OSError as e:
-        raise ValueError(f"{name}: cannot create or write in {directory} ({e.strerror or e})") from None
+        raise ValueError(f"{prefix}cannot create or write in {directory} ({e.strerror or e})") from None
 
 
 def save_sharded(model, optimizer, trainer_state: dict, path: Path, is_main: bool, barrier) -> None:
@@ -455,6 +507,9 @@ def convert(old: str | Path, new: str | Path) -> Path:
 
     This unpickles ``old`` with full pickle (``weights_only=False``), which runs any code the file holds: the one
     place grpo-fast does so, for a file its user trusts (``grpo-fast convert-checkpoint OLD NEW --trust``)."""
+    typed = str(new)  # NEW in messages, as the user typed it
+    if not typed.strip():
+        raise ValueError(f"NEW: expected the path of the converted checkpoint, got {typed!r}")
     old, new = Path(old), Path(new)
     sharded = old.is_dir()
     source = old / TRAINER_STATE if sharded else old
@@ -463,7 +518,8 @@ def convert(old: str | Path, new: str | Path) -> Path:
                                 f"{TRAINER_STATE}), got {str(old)!r}")
     in_place = new.exists() and new.resolve() == old.resolve()
     if new.exists() and not in_place:
-        raise FileExistsError(f"NEW: {new} exists; choose a new path, or pass OLD again to convert it in place")
+        raise FileExistsError(f"NEW: {typed} exists; choose a new path, or pass OLD again to convert it in place")
+    check_writable(new.parent, "NEW", typed)  # before anything is read: the temporary files go next to NEW
     try:
         state = torch.load(source, map_location="cpu", weights_only=False)  # trusted: it may run what it holds
     except Exception as e:
@@ -479,14 +535,17 @@ def convert(old: str | Path, new: str | Path) -> Path:
         load(buffer, f"{source} (converted)")
     except (UnsafeCheckpoint, DamagedCheckpoint) as e:
         raise ValueError(f"OLD: cannot convert: {e}") from None
-    if not sharded or in_place:
-        save_atomic(state, new / TRAINER_STATE if sharded else new)
-        return new
-    tmp = new.with_name(f".{new.name}.{os.getpid()}.tmp")
     try:
-        shutil.copytree(old, tmp)
-        save_atomic(state, tmp / TRAINER_STATE)
-        os.replace(tmp, new)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not sharded or in_place:
+            save_atomic(state, new / TRAINER_STATE if sharded else new)
+            return new
+        tmp = new.with_name(f".{new.name}.{os.getpid()}.tmp")
+        try:
+            shutil.copytree(old, tmp)
+            save_atomic(state, tmp / TRAINER_STATE)
+            os.replace(tmp, new)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:  # what the check cannot foresee (a full disk): about NEW, not its temporary name
+        raise OSError(f"NEW: writing {typed} failed ({e.strerror or e})") from None
     return new

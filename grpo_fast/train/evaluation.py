@@ -95,6 +95,7 @@ def load_saved_model(directory: str | Path, config, base_model: str | None = Non
     ``base_model_name_or_path``), merged."""
     import dataclasses
 
+    from grpo_fast.train.checkpoint import check_weights
     from grpo_fast.train.model import load_model_and_tokenizer, resolve_device, resolve_dtype
 
     directory = Path(directory)
@@ -124,47 +125,6 @@ def load_saved_model(directory: str | Path, config, base_model: str | None = Non
     return model.eval(), tokenizer
 
 
-def check_weights(directory: Path, flag: str, stem: str) -> None:
-    """Refuses, in one line naming ``flag`` and the file, a model directory whose weights would not load whole
-    (``stem``: ``model`` or ``adapter_model``): none at all (the trainer's loader would build random weights from
-    config.json), a missing shard of ``STEM.safetensors.index.json``, a ``.safetensors`` file that is empty or
-    truncated (its header is read, and must cover the file), or a ``.bin`` whose pickle needs more than tensors
-    (``checkpoint.check_safe``; transformers would refuse it too, with a traceback)."""
-    from safetensors import safe_open
-
-    from grpo_fast.train import checkpoint as ckpt
-
-    index = directory / f"{stem}.safetensors.index.json"
-    files = [directory / f"{stem}.safetensors"]
-    if index.is_file():
-        try:
-            files = [directory / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ValueError(f"{flag}: {index} cannot be read ({type(e).__name__}: {e})") from None
-        missing = [f.name for f in files if not f.is_file()]
-        if missing:
-            raise FileNotFoundError(f"{flag}: {directory} lacks {missing[0]}, a shard its {index.name} names"
-                                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    files = [f for f in files if f.is_file()]
-    bins = sorted(directory.glob(f"{'pytorch_model' if stem == 'model' else stem}*.bin"))
-    if not files and not bins:
-        raise FileNotFoundError(f"{flag}: {directory} holds no weights (no {stem}.safetensors); a saved model is "
-                                "output_dir/model of a run, or grpo-fast export's OUT_DIR")
-    for file in files:
-        try:
-            with safe_open(str(file), "pt"):  # the header, checked against the file's length
-                pass
-        except Exception as e:  # safetensors' SafetensorError (a Rust exception), OSError
-            reason = (str(e).strip().splitlines() or [""])[0]
-            raise ValueError(f"{flag}: {file} cannot be read ({type(e).__name__}: {reason}); an empty or truncated "
-                             "copy? Export or copy the model again") from None
-    for file in bins:
-        try:
-            ckpt.check_safe(file)
-        except (ckpt.DamagedCheckpoint, ckpt.UnsafeCheckpoint) as e:
-            raise ValueError(f"{flag}: {e}") from None
-
-
 def _flag_named(message: str) -> str:
     """``message`` with the TrainConfig fields eval sets from its flags named as those flags."""
     return re.sub(r"\bTrainConfig\.(\w+)", lambda m: _FLAGS.get(m.group(1), m.group(0)), message)
@@ -173,8 +133,12 @@ def _flag_named(message: str) -> str:
 def evaluate_model(options: EvalOptions) -> dict:
     """Runs the evaluation; returns the JSON-ready result (the options, the metrics and every prompt's rewards).
     Errors about the options name eval's flags (``--device``), not the trainer's fields behind them."""
+    from grpo_fast.train.rewards import RewardError
+
     try:
         return _evaluate(options)
+    except RewardError:  # a reward function's failure names the function, not a flag
+        raise
     except (ValueError, TypeError, OSError) as e:
         named = _flag_named(str(e))
         if named == str(e):
@@ -224,8 +188,8 @@ def _evaluate(options: EvalOptions) -> dict:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=options.top_p)
     scores: list[torch.Tensor] = []
     mean = evaluate(run, samples=options.samples, params=params, scores=scores)
-    per_prompt = torch.stack(scores)  # [prompts, samples]
-    passed = (per_prompt >= options.pass_threshold).any(dim=1)
+    per_prompt = torch.stack(scores)  # [prompts, samples], NaN where no reward function scored the completion
+    passed = (per_prompt >= options.pass_threshold).any(dim=1)  # an unscored completion passes nothing
     k = options.samples
     return {
         "model": str(model_dir), "dataset": options.dataset, "rewards": list(options.rewards),
@@ -233,8 +197,10 @@ def _evaluate(options: EvalOptions) -> dict:
         "samples": k, "decoding": "greedy" if temperature == 0 else "sampled", "temperature": temperature,
         "top_p": options.top_p, "max_new_tokens": max_new_tokens, "seed": options.seed,
         "pass_threshold": options.pass_threshold,
-        f"mean@{k}": mean, f"pass@{k}": float(passed.float().mean()),
-        "per_prompt": [{"prompt": r[options.prompt_column], "rewards": s.tolist()}
+        # nothing scored: both n/a (None), not 0
+        f"mean@{k}": mean, f"pass@{k}": None if mean is None else float(passed.float().mean()),
+        "per_prompt": [{"prompt": r[options.prompt_column],
+                        "rewards": [None if math.isnan(x) else x for x in s.tolist()]}  # unscored: null
                        for r, s in zip(records, per_prompt)],
     }
 
@@ -256,10 +222,13 @@ def result_table(result: dict) -> str:
         ("model", result["model"]), ("dataset", f"{result['dataset']} ({result['prompts']} prompts)"),
         ("rewards", ", ".join(f"{n} x {w:g}" for n, w in zip(result["rewards"], result["reward_weights"]))),
         ("completions per prompt", f"{k} ({decoding}, at most {result['max_new_tokens']} new tokens)"),
-        (f"mean@{k} (mean reward)", "n/a (no completion was scored)" if result[f"mean@{k}"] is None
-         else f"{result[f'mean@{k}']:.4f}"),
-        (f"pass@{k} (reward >= {result['pass_threshold']:g})", f"{result[f'pass@{k}']:.4f}"),
+        (f"mean@{k} (mean reward)", _value(result[f"mean@{k}"])),
+        (f"pass@{k} (reward >= {result['pass_threshold']:g})", _value(result[f"pass@{k}"])),
     ]
     width = max(len(a) for a, _ in rows)
     lines = [f"| {'':<{width}} | value |", f"|{'-' * (width + 2)}|-------|"]
     return "\n".join(lines + [f"| {a:<{width}} | {b} |" for a, b in rows])
+
+
+def _value(x: float | None) -> str:
+    return "n/a (no completion was scored)" if x is None else f"{x:.4f}"

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from grpo_fast import fused_logprobs
+from grpo_fast.train.checkpoint import check_weights
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.forward import decoder_of, head_of, position_ids_from_mask, unwrap
 from grpo_fast.train.tasks import tiny_model, tiny_tokenizer
@@ -121,6 +122,7 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
         tokenizer = load_tokenizer(config.tokenizer or config.model,
                                    "TrainConfig.tokenizer" if config.tokenizer else "TrainConfig.model")
         if _has_weights(path):
+            check_weights(path, "TrainConfig.model")  # empty, truncated, or a .bin that needs more than tensors
             model = (load_4bit(config.model, config, device, storage_dtype) if config.load_in_4bit else
                      AutoModelForCausalLM.from_pretrained(config.model, dtype=storage_dtype))
         else:  # a config.json alone: the architecture with fresh weights from the seed
@@ -255,8 +257,13 @@ def make_optimizer(params, config: TrainConfig, lr: float, device: torch.device,
     bits = 8 if "8bit" in config.optim else 32
     optimizer = bnb.optim.AdamW(params, lr=lr, betas=betas, eps=1e-8, weight_decay=config.weight_decay,
                                 optim_bits=bits, is_paged=paged)
+    # bitsandbytes keeps its overrides in one process-wide manager keyed by (group, index) and id(parameter), so an
+    # earlier optimizer's override (another run's embedding at index 0) would apply to this one's parameters: this
+    # optimizer gets a manager of its own
+    manager = bnb.optim.GlobalOptimManager.__new__(bnb.optim.GlobalOptimManager)
+    manager.initialize()
+    optimizer.mng = manager
     if bits == 8 and model is not None:
-        manager = bnb.optim.GlobalOptimManager.get_instance()
         for module in model.modules():
             if isinstance(module, torch.nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})

@@ -331,7 +331,7 @@ class RewardError(ValueError):
     ``when`` (``"at step 3"``), which ends the message, and ``checkpoint``, the one it saved or found to resume
     from (None: none)."""
 
-    def __init__(self, fn: RewardFn, error: Exception):
+    def __init__(self, fn: RewardFn, error: BaseException):
         self.function, self.location, self.error = reward_name(fn), _location(fn, error), error
         self.when: str | None = None
         self.checkpoint: Path | None = None
@@ -343,7 +343,7 @@ class RewardError(ValueError):
         return super().__str__() + (f" {self.when}" if self.when else "")
 
 
-def _location(fn: RewardFn, error: Exception) -> str:
+def _location(fn: RewardFn, error: BaseException) -> str:
     """``file:line`` of ``fn`` for a message: the last line of its own file in ``error``'s traceback (where it
     raised, or called what raised), else the line that defines it; the file relative to the working directory
     when it is below it."""
@@ -389,7 +389,9 @@ def compute_rewards(
     for k, fn in enumerate(funcs):
         try:
             values = fn(prompts=prompts, completions=completions, **columns)
-        except Exception as e:  # KeyboardInterrupt and SystemExit are not a reward's failure
+        except KeyboardInterrupt:  # Ctrl-C: the trainer's own handling (finish the step, save)
+            raise
+        except BaseException as e:  # SystemExit (sys.exit in a reward) too: the function failed, the run did not
             raise RewardError(fn, e) from e
         rewards[:, k] = torch.tensor(_as_scores(fn, values, n), dtype=torch.float32)
     return rewards

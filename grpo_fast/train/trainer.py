@@ -91,6 +91,10 @@ def load_datasets(config: TrainConfig, tokenizer=None) -> tuple[list[dict], list
         train = [(f"{config.dataset}, record {i}", r) for i, r in enumerate(builtin_records(name, "train", TASK_SIZE))]
         evaluation = [(f"{config.dataset} (held-out), record {i}", r)
                       for i, r in enumerate(builtin_records(name, "eval", config.eval_size))]
+        columns = list(train[0][1])
+        if config.prompt_column not in columns:
+            raise ValueError(f"TrainConfig.prompt_column: expected a column of {config.dataset}'s records "
+                             f"({', '.join(map(repr, columns))}; the prompt is 'prompt'), got {config.prompt_column!r}")
     else:
         needs = ("answer",) if any(r in ("math", "exact") for r in config.rewards) else ()
         needs += ("tests",) if any(r == "code" for r in config.rewards) else ()
@@ -491,8 +495,9 @@ def evaluate(run: Run, samples: int = 1, params: SamplingParams | None = None,
              scores: list[torch.Tensor] | None = None) -> float | None:
     """Mean weighted reward of the held-out prompts' completions (None without any prompts, or when no reward
     function scored any of them: every one returned None): one greedy completion per prompt by default (the run's
-    before/after evaluation), or ``samples`` completions per prompt drawn with ``params``. ``scores``, when given, receives one ``[samples]`` tensor of weighted rewards per prompt this rank
-    scored, in order (``grpo-fast eval``'s pass@k)."""
+    before/after evaluation), or ``samples`` completions per prompt drawn with ``params``. ``scores``, when given,
+    receives one ``[samples]`` tensor of weighted rewards per prompt this rank scored, in order, NaN for a completion
+    no function scored (``grpo-fast eval``'s pass@k)."""
     if not run.eval_records:
         return None
     params = params or SamplingParams(max_new_tokens=run.config.max_new_tokens, temperature=0.0)
@@ -511,9 +516,10 @@ def evaluate(run: Run, samples: int = 1, params: SamplingParams | None = None,
             per_function = score(run, part, completions, samples)
             rewards = weighted_reward(run, per_function)
             total += float(rewards.sum())
-            scored += int((~per_function.isnan().all(dim=1)).sum())
+            unscored = per_function.isnan().all(dim=1)  # every function returned None
+            scored += int((~unscored).sum())
             if scores is not None:
-                scores.extend(rewards.view(len(part), samples))
+                scores.extend(rewards.masked_fill(unscored, math.nan).view(len(part), samples))
     total, scored = dist_.sum_across([total, float(scored)], world, run.device)
     if not scored:
         logger.warning("held-out evaluation: no reward function scored any of the %d completions (all returned None)",
