@@ -432,7 +432,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time for the self-check; what does not start within it is listed as skipped (default 60)")
     p.add_argument("--reps", type=int, default=None, help="timed steps per row (default 5 on CUDA, 3 on CPU)")
     p.add_argument("--no-check", action="store_true", help="versions, devices and the auto paths only")
-    p.add_argument("--json", type=Path, default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
 
 
 def _device(arg: str | None) -> torch.device:
@@ -454,9 +454,12 @@ def _device(arg: str | None) -> torch.device:
     return device
 
 
-def check_json_path(path: Path) -> None:
-    """Refuses, before anything runs, a ``--json`` path that cannot be written: a directory, a path below a file, a
-    file or directory without write permission (a ValueError naming ``--json``)."""
+def check_json_path(typed: str) -> Path:
+    """``--json`` as a path; refuses, before anything runs, one that cannot be written: empty, a directory, a path
+    below a file, a file or directory without write permission (a ValueError naming ``--json``)."""
+    if not typed.strip():
+        raise ValueError(f"--json: expected a file path, got an empty path {typed!r}")
+    path = Path(typed)
     if path.is_dir():
         raise ValueError(f"--json: expected a file path, got the directory {str(path)!r}")
     existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())  # what mkdir would start from
@@ -465,6 +468,7 @@ def check_json_path(path: Path) -> None:
     target = path if path.exists() else existing
     if not os.access(target, os.W_OK | (0 if target is path else os.X_OK)):
         raise ValueError(f"--json: cannot write {str(path)!r}: no write permission on {str(target)!r}")
+    return path
 
 
 def write_json(report: dict, path: Path, log=print) -> bool:
@@ -491,8 +495,7 @@ def run(args: argparse.Namespace, log=print) -> int:
             raise ValueError(f"--reps: expected an integer >= 1, got {args.reps}")
         if not args.budget > 0:
             raise ValueError(f"--budget: expected seconds > 0, got {args.budget}")
-        if args.json:
-            check_json_path(args.json)
+        json_path = None if args.json is None else check_json_path(str(args.json))
     except ValueError as e:
         print(f"grpo-fast doctor: error: {e}", file=sys.stderr)
         return 2
@@ -551,7 +554,7 @@ def run(args: argparse.Namespace, log=print) -> int:
             f"passed in {report['self_check']['seconds']:.0f} s" + (f", {len(failures)} failed" if failures else "")
             + (f", {len(skipped)} skipped" if skipped else ""))
     report["ok"] = not failures
-    written = write_json(report, args.json, log) if args.json else True
+    written = write_json(report, json_path, log) if json_path is not None else True
     return 1 if failures else 0 if written else 2
 
 

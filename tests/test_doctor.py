@@ -123,13 +123,14 @@ def test_help_explains_the_check(capsys):
     assert "doctor" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("where", ["directory", "below a file"])
+@pytest.mark.parametrize("where", ["directory", "below a file", "empty"])
 def test_a_json_path_that_cannot_be_written_is_refused_before_the_check(where, tmp_path, capsys):
     (tmp_path / "a-file").write_text("")
-    path = {"directory": tmp_path, "below a file": tmp_path / "a-file" / "doctor.json"}[where]
+    path = {"directory": tmp_path, "below a file": tmp_path / "a-file" / "doctor.json", "empty": ""}[where]
     code, out, err = _run(["--device", "cpu", "--shapes", "small", "--json", str(path)], capsys)
     expected = {"directory": f"--json: expected a file path, got the directory '{tmp_path}'",
-                "below a file": f"--json: cannot create '{path}': '{tmp_path / 'a-file'}' is a file, not a directory"}
+                "below a file": f"--json: cannot create '{path}': '{tmp_path / 'a-file'}' is a file, not a directory",
+                "empty": "--json: expected a file path, got an empty path ''"}
     assert code == 2 and err.strip() == f"grpo-fast doctor: error: {expected[where]}"
     assert out == ""  # refused before anything ran
 
