@@ -292,6 +292,7 @@ def test_bad_shapes_name_the_argument(change, match):
     data = change(batch(B=2, G=3, P=4, T=3))
     with pytest.raises(ValueError, match=match):
         shared_prefix_forward(model, *data, group_size=3)
+    assert model.config._attn_implementation == "sdpa"  # a refused call leaves the model as it was
 
 
 def _meta(x):
@@ -326,6 +327,7 @@ def test_bad_values_name_the_argument(change, error, match):
     data = change(batch(B=2, G=3, P=4, T=3))
     with pytest.raises(error, match=match):
         shared_prefix_forward(model, *data, group_size=3)
+    assert model.config._attn_implementation == "sdpa"  # checked before the switch
 
 
 def test_a_model_that_is_not_a_transformers_model_is_refused():

@@ -122,9 +122,17 @@ def unsupported_reason(model, backend: str = "sdpa") -> str | None:
 def enable(model, backend: str = "sdpa") -> None:
     """Switch ``model`` to the wrapping attention implementation (idempotent); raises
     :class:`SharedPrefixUnsupported` when :func:`unsupported_reason` gives a reason."""
+    _check_supported(model, backend)
+    _switch(model, backend)
+
+
+def _check_supported(model, backend: str) -> None:
     reason = unsupported_reason(model, backend)
     if reason is not None:
         raise SharedPrefixUnsupported(f"shared_prefix_forward: {reason}")
+
+
+def _switch(model, backend: str) -> None:
     config = unwrap(model).config
     if not config._attn_implementation.startswith(PREFIX):
         name = _register(config._attn_implementation)
@@ -273,7 +281,8 @@ def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, comple
     Args:
         model: a transformers causal LM (or a PEFT wrapper of one) of a supported architecture (Llama, Qwen2, Qwen3,
             Mistral without sliding windows) with an ``sdpa`` or flash-attention implementation. The first call
-            switches it to the wrapping implementation (ordinary calls are unchanged).
+            whose arguments pass the checks switches it to the wrapping implementation (ordinary calls are
+            unchanged).
         prompt_ids, prompt_mask: ``[B, P]`` (B >= 1), left-padded, one row per group; the mask holds only 0 and 1.
         completion_ids, completion_mask: ``[B*G, T]``, right-padded; rows ``b*G .. b*G+G-1`` belong to prompt ``b``.
             Ids (prompts' padding included) must be rows of the model's input embedding. ``T = 0`` gives
@@ -286,8 +295,9 @@ def shared_prefix_forward(model, prompt_ids, prompt_mask, completion_ids, comple
         ValueError (TypeError for a wrong type): for inconsistent shapes, a mask other than 0/1, ids outside the
             vocabulary, meta tensors or a model on the meta device; the message names the argument.
     """
-    enable(model, backend)
+    _check_supported(model, backend)
     check_inputs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, group_size)
+    _switch(model, backend)  # only for inputs it will run: a refused call leaves the model as it was
     B, P = prompt_ids.shape
     T, G = completion_ids.shape[1], group_size
     input_ids, position_ids = packed_inputs(prompt_ids, prompt_mask, completion_ids, G)
