@@ -16,7 +16,9 @@ Same constructor, same config, same generation, rewards, advantages, logging and
 The hook lives on one module for the duration of one forward call and is removed in a ``finally``: nothing is patched
 globally, a plain ``GRPOTrainer`` in the same process is untouched, and the forward still goes through every wrapper
 the model has (accelerate/DDP, PEFT adapters, autocast). Options this trainer cannot reproduce exactly are refused when
-it is constructed, never ignored (the table with the reasons is in ``docs/trl.md``).
+it is constructed, never ignored (the table with the reasons is in ``docs/trl.md``). ``train`` adds one check: a
+resume under DeepSpeed, whose engine unpickles checkpoint files in full, is refused unless the checkpoint is trusted
+(``trust_deepspeed_checkpoints``); every other file a resume reads is loaded as tensors and plain values only.
 
 Importing this module imports trl (>= 1.16); ``import grpo_fast`` does not.
 """
@@ -87,6 +89,9 @@ class FastGRPOTrainer(GRPOTrainer):
     """
 
     impl = "auto"
+    # DeepSpeed's engine unpickles the global_step*/ files of a checkpoint in full: resuming from one is refused
+    # unless this is set (for checkpoints you wrote or otherwise trust); see ``train``
+    trust_deepspeed_checkpoints = False
 
     @functools.wraps(GRPOTrainer.__init__)
     def __init__(self, *args, **kwargs):
@@ -102,6 +107,22 @@ class FastGRPOTrainer(GRPOTrainer):
             self._loss_config()
         except (TypeError, ValueError) as exc:
             raise ValueError(f"FastGRPOTrainer: this GRPOConfig does not map onto grpo-fast's loss: {exc}") from exc
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        """TRL's ``train``. A resume reads the checkpoint as transformers' ``Trainer`` does: the weights from
+        safetensors, ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt`` and ``rng_state.pth`` through
+        ``torch.load(weights_only=True)`` (tensors and plain values; ``rng_state.pth`` also numpy's RNG arrays),
+        ``trainer_state.json`` as JSON; a file that needs more is refused by torch's unpickler before anything in it
+        runs. Under DeepSpeed the engine reads its ``global_step*/`` files with ``torch.load(weights_only=False)``,
+        which runs any code a planted file holds: that resume is refused unless ``trust_deepspeed_checkpoints``."""
+        resuming = resume_from_checkpoint is not None and resume_from_checkpoint is not False
+        if resuming and self.is_deepspeed_enabled and not self.trust_deepspeed_checkpoints:
+            raise ValueError(
+                f"FastGRPOTrainer.train(resume_from_checkpoint={resume_from_checkpoint!r}) under DeepSpeed: "
+                "DeepSpeed's engine reads the checkpoint's global_step*/ files with torch.load(weights_only=False), "
+                "which runs any code a file planted there holds; for a checkpoint you wrote or otherwise trust, set "
+                "trainer.trust_deepspeed_checkpoints = True first")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # ----------------------------------------------------------------------------------------------------------------
     # Construction-time checks
