@@ -54,7 +54,7 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_qlora.py
 
 import torch
 
-from bench import harness
+from bench import bench_memory, harness
 
 CONFIGS = {
     "full": dict(lora_r=0, load_in_4bit=False, optim="adamw_torch_fused"),
@@ -74,8 +74,8 @@ MIB = harness.MIB
 
 
 @dataclass(frozen=True)
-class Shape:
-    """The model (a Qwen2 decoder with tied embeddings) and the batch."""
+class Shape(bench_memory.Shape):
+    """``bench.bench_memory.Shape`` (a Qwen2 decoder with tied embeddings, and the batch) at this bench's size."""
 
     layers: int = 12
     hidden: int = 512
@@ -87,26 +87,6 @@ class Shape:
     group_size: int = 4  # G
     prompt_len: int = 32  # P
     completion_len: int = 32  # T
-
-    def check(self) -> None:
-        for name, value in asdict(self).items():
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"--{name.replace('_', '-')}: expected an integer >= 1, got {value!r}")
-        if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"--hidden ({self.hidden}) must divide by --heads ({self.heads}) and --heads by "
-                             f"--kv-heads ({self.kv_heads})")
-        if self.vocab in (self.hidden, self.intermediate, self.hidden // self.heads) or self.vocab < 100:
-            raise ValueError(f"--vocab ({self.vocab}) must be >= 100 and differ from the model's other widths: the "
-                             "memory tracker recognises logits by a last dimension equal to the vocabulary")
-
-    def model_shape(self):
-        """This model as a ``ModelShape`` (what ``grpo_fast.memory.projection`` projects)."""
-        from grpo_fast.memory.models import ModelShape
-
-        return ModelShape(f"qwen2-bench-L{self.layers}-H{self.hidden}", "", hidden_size=self.hidden,
-                          vocab_size=self.vocab, num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                          num_key_value_heads=self.kv_heads, head_dim=self.hidden // self.heads,
-                          intermediate_size=self.intermediate, tie_word_embeddings=True, attention_bias=True)
 
 
 def save_model(shape: Shape, directory: Path, seed: int) -> None:

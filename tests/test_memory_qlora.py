@@ -21,7 +21,7 @@ bnb = pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 pytest.importorskip("trl")  # bench/bench_qlora.py builds its tokenizer with the TRL test fixtures
 
-from bench import bench_memory, bench_qlora, calibrate_memory, harness  # noqa: E402
+from bench import bench_qlora, calibrate_memory, harness  # noqa: E402
 from grpo_fast.memory import fit, projection  # noqa: E402
 from grpo_fast.memory.models import get_model  # noqa: E402
 from grpo_fast.memory.projection import Training  # noqa: E402
@@ -32,13 +32,6 @@ CSV = harness.RESULTS_DIR / "qlora_cpu.csv"
 SMALL = dict(layers=2, hidden=256, intermediate=704, heads=4, kv_heads=2, vocab=9000, prompts=2, group_size=4,
              prompt_len=24, completion_len=40)  # adapters of >= 4096 elements: some 8-bit states
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +89,8 @@ def test_8bit_optimizer_states_are_exact(small_model, config):
 
 def _decoder(shape: bench_qlora.Shape, training: Training):
     """Decoder coefficients of ``shape``'s architecture measured now (QLoRA's are LoRA's: the mode's)."""
-    fields = {k: v for k, v in dataclasses.asdict(shape).items()}
-    config = bench_memory.Shape(**fields).config()
     base = Training(lora_r=training.lora_r, checkpointing=training.checkpointing)
-    return calibrate_memory.measure_decoder(config, torch.float32, base)
+    return calibrate_memory.measure_decoder(shape.config(), torch.float32, base)
 
 
 def _projected(shape: bench_qlora.Shape, training: Training, decoder) -> dict[str, float]:

@@ -44,13 +44,6 @@ CPU = torch.device("cpu")
 QLORA = dict(load_in_4bit=True, lora_r=4, lora_target_modules=["q_proj", "v_proj", "up_proj"], lr=0.02)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _batch(tokenizer, n=8):
     texts = [r["prompt"] for r in builtin_records("digits", "eval", n)]
@@ -333,6 +326,21 @@ def test_8bit_full_fine_tune_keeps_the_embedding_32bit(tmp_path):
     train_step(run)
     assert run.optimizer.state[embedding]["state1"].dtype == torch.float32  # transformers' override
     assert run.optimizer.state[big]["state1"].dtype == torch.uint8
+
+
+def test_8bit_overrides_stay_with_their_optimizer(tmp_path):
+    """transformers' embedding override lives in bitsandbytes' process-wide manager, keyed by parameter index: a later
+    optimizer in the same process (its index 0 a large matrix) must still get 8-bit states."""
+    run = setup(small_config(tmp_path, optim="adamw_8bit"))  # the embedding is its parameter 0, kept 32-bit
+    from grpo_fast.train.trainer import train_step
+
+    train_step(run)
+    params = _params()
+    optimizer = make_optimizer(params, small_config(tmp_path, optim="adamw_8bit"), 1e-3, CPU)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert optimizer.state[params[0]]["state1"].dtype == torch.uint8
 
 
 # --------------------------------------------------------------------------------------------- refusals

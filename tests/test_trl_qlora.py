@@ -35,13 +35,6 @@ def quantization_config(**kw):
                               bnb_4bit_compute_dtype=torch.float32, **kw)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 class QLoraLossPath(LossPath):
     """Fast and TRL on the 4-bit model with TRL's ``peft_config``, the float64 oracle on its dequantized copy with
