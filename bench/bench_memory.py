@@ -39,7 +39,8 @@ components at each configuration's peak, the peak of each phase, and the step ti
     grpo-fast bench memory --csv bench/results/memory_cpu.csv   # the same, rewriting the committed CSV and PNG
     grpo-fast bench memory --device cuda --dtype bfloat16 --layers 8 --hidden 1024 --vocab 151936 ...
     grpo-fast bench memory --configs grpo_fused --lora-r 16 --gradient-checkpointing --csv /tmp/lora.csv
-    python -m bench.bench_memory --replot                   # redraw the PNG from the CSV
+    grpo-fast bench memory --replot                         # redraw the PNG from the default CSV (the first run's)
+    grpo-fast bench memory --replot --csv bench/results/memory_cpu.csv   # ... or from any CSV, the committed one
 """
 
 from __future__ import annotations
@@ -512,7 +513,8 @@ def build_parser(prog: str = "python -m bench.bench_memory") -> argparse.Argumen
     p.add_argument("--csv", type=Path, default=None,
                    help=f"output CSV (default {DEFAULT_DIR}/memory_<device>.csv in the current directory, never the "
                         "committed bench/results/: name that here to rewrite it; the PNG goes next to the CSV)")
-    p.add_argument("--replot", action="store_true", help="only redraw the PNG from --csv")
+    p.add_argument("--replot", action="store_true",
+                   help="only redraw the PNG from the CSV (--csv, or the default one a run without --csv writes)")
     return p
 
 
@@ -521,6 +523,10 @@ def main(argv=None, prog: str = "python -m bench.bench_memory", command: str | N
     device = torch.device(args.device)
     csv_path = args.csv or Path(DEFAULT_DIR) / f"memory_{device.type}.csv"
     if args.replot:
+        if not csv_path.is_file():
+            which = "--csv" if args.csv else "the default: where a run without --csv writes it"
+            raise FileNotFoundError(f"--replot: no CSV to redraw at {csv_path} ({which}); run the benchmark first, or "
+                                    "name a CSV with --csv (e.g. --csv bench/results/memory_cpu.csv)")
         print(f"plot: {plot(csv_path)}")
         return 0
     shape = Shape(**{k: getattr(args, k) for k in asdict(Shape())})
