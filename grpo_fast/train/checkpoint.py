@@ -15,7 +15,9 @@ tensors and numbers, see :func:`rng_state`), and every file is read by :func:`lo
 after a scan of the pickle for globals outside torch's tensor-only set. A file that needs anything more is refused
 before it is unpickled (:class:`UnsafeCheckpoint`, naming the file and the global): resume stops there rather than
 skip it as damaged, and ``grpo-fast export`` stops too. The ``.metadata`` of a ``.dcp`` directory is unpickled with
-an allow-list of torch.distributed.checkpoint's metadata classes, its non-tensor entries by :func:`load`.
+an allow-list of torch.distributed.checkpoint's metadata classes, its non-tensor entries by :func:`load`. A
+save_pretrained directory (``--model``) is checked by :func:`check_weights` before transformers reads it: safetensors
+headers that cover their files, ``.bin`` weights that pass the same scan.
 
 Checkpoints of grpo-fast before this format pickled numpy's RNG state as a numpy array; :func:`convert`
 (``grpo-fast convert-checkpoint OLD NEW --trust``) re-saves one you trust, and is the one place a checkpoint is
