@@ -71,6 +71,8 @@ PHASE_TAGS = {"rollout": "other", "prepare": "other", "forward": "activations", 
 DEFAULT_DIR = "grpo_fast_bench"
 LR, BETAS, MAX_GRAD_NORM, BETA, EPSILON, LORA_ALPHA = 1e-6, (0.9, 0.99), 1.0, 0.04, 0.2, 16
 MIB = harness.MIB
+TIMING_NOTE = ("step times on a shared, loaded machine (1-minute load average before and after each process: "
+               "load_avg_start, load_avg_end); the tracked memory does not depend on the load")
 
 
 @dataclass(frozen=True)
@@ -353,7 +355,7 @@ def _counts(model) -> dict:
 def result_rows(config: str, trainer: str, r: dict, common: dict) -> list[dict]:
     """One row per phase plus ``step`` (the phase with the highest peak), sizes in MiB; the tracker's weights split
     into frozen weights and the adapters."""
-    base = dict(config=config, trainer=trainer, **CONFIGS[config], **common)
+    base = dict(config=config, trainer=trainer, **CONFIGS[config], **common, timing_note=TIMING_NOTE)
     if "error" in r:
         return [dict(base, phase="step", error=r["error"])]
     mib = lambda b: round(b / MIB, 3)  # noqa: E731
