@@ -255,6 +255,24 @@ def test_merged_model_computes_what_was_trained(tmp_path):
     assert_close_rule(out, out_pt, out_ref, torch.float32, "merged model log-probs")
 
 
+def test_ddp_with_a_4bit_base_and_8bit_adamw_equals_one_process(tmp_path):
+    """torchrun with 2 gloo processes under DDP (the set-up a 4-bit base supports besides one process) reaches the
+    one-process adapters to the bit (tests/test_distributed.py's comparison)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    from test_distributed import _assert_same, _parameters, _train
+
+    options = ("--steps", "2", "--load-in-4bit", "--lora-r", "4", "--lora-target-modules", "q_proj,v_proj", "--lr",
+               "0.02", "--optim", "adamw_8bit", "--save-every", "1", "--keep-checkpoints", "0")
+    _train(tmp_path / "one", 1, *options)
+    _train(tmp_path / "two", 2, *options, "--distributed", "ddp")
+    start, want = _parameters(tmp_path / "one", 1), _parameters(tmp_path / "one", 2)
+    assert all("lora_" in name for name in want)  # the adapters: all a 4-bit run's checkpoint holds
+    _assert_same(_parameters(tmp_path / "two", 2), want, start)
+
+
 def test_export_of_a_4bit_checkpoint(qlora_run, tmp_path):
     from peft import PeftModel
 

@@ -134,8 +134,12 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
     tokenizer.padding_side = "left"
     if config.load_in_4bit:
         if not is_4bit(model):  # built from a config: quantized through the same loader
+            from safetensors.torch import save_model
+
             with tempfile.TemporaryDirectory(prefix="grpo_fast_4bit_") as tmp:
-                model.save_pretrained(tmp)
+                # every rank writes its own copy (save_pretrained writes on rank 0 only under a process group)
+                model.config.save_pretrained(tmp)
+                save_model(model, str(Path(tmp) / "model.safetensors"))  # a tied lm_head once
                 model = load_4bit(tmp, config, device, storage_dtype)
         check_4bit_head(model)
     else:
