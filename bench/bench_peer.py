@@ -244,8 +244,9 @@ def _result(start: dict, curve: list[dict], eval_before, eval_after, **extra) ->
 # The two trainers (each runs inside an isolated child process)
 
 
-def run_grpo_fast(steps: int, seed: int, threads: int, overrides: dict | None = None) -> dict:
-    """grpo-fast's ``train`` on the default config; the per-step curve and the held-out rewards."""
+def run_grpo_fast(steps: int, seed: int, threads: int, overrides: dict | None = None, paired: bool = False) -> dict:
+    """grpo-fast's ``train`` on the default config; the per-step curve and the held-out rewards (``paired``: nothing
+    changes, its prompt order and sampling stream are what a paired TRL run follows)."""
     start = _start("grpo_fast", threads)
     from grpo_fast.train import train
     from grpo_fast.train.metrics import read_steps
@@ -267,28 +268,60 @@ def save_initial_model(directory, seed: int) -> str:
     return str(directory)
 
 
-def build_trl_trainer(cfg, model_dir: str, output_dir: str, callbacks=()):
-    """TRL's ``GRPOTrainer`` for the run ``cfg`` describes, on the model saved in ``model_dir``."""
+def build_trl_trainer(cfg, model_dir: str, output_dir: str, callbacks=(), records: list | None = None):
+    """TRL's ``GRPOTrainer`` for the run ``cfg`` describes, on the model saved in ``model_dir``; ``records``: these
+    training records in this order (TRL's shuffle off) instead of the task's, shuffled by TRL."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     from grpo_fast.train.rewards import load_reward
     from grpo_fast.train.tasks import TASK_SIZE, builtin_records, tiny_tokenizer
 
-    args = GRPOConfig(**trl_args(cfg, output_dir))
+    args = GRPOConfig(**trl_args(cfg, output_dir), **({} if records is None else {"shuffle_dataset": False}))
     dataset_name = cfg.dataset.split(":", 1)[1]
     return GRPOTrainer(
         model=model_dir,
         reward_funcs=[load_reward(name) for name in cfg.rewards],
         args=args,
-        train_dataset=Dataset.from_list(builtin_records(dataset_name, "train", TASK_SIZE)),
+        train_dataset=Dataset.from_list(builtin_records(dataset_name, "train", TASK_SIZE) if records is None
+                                        else records),
         processing_class=tiny_tokenizer(),  # not AutoTokenizer: that would rebuild Qwen2's BPE (tests/trl_fixtures)
         callbacks=list(callbacks),
     )
 
 
-def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None) -> dict:
-    """TRL's ``GRPOTrainer`` on the same task, model weights and settings; the same outputs as ``run_grpo_fast``."""
+def paired_trl(trainer, cfg, steps: int):
+    """Common random numbers for ``trainer`` (TRL's, built with ``records=paired_records(cfg, steps)``): before each
+    generation TRL's global torch generator is seeded with the seed grpo-fast's sampler uses at that step
+    (``grpo_fast.train.trainer.sampling_seed``), so that the two trainers draw their completions from one random
+    stream and see the same prompts in the same order (lockstep_trl: the same weights and stream give the same
+    completions). The two runs then differ only by what the trainers compute, and by float rounding once it tips a
+    sample."""
+    from grpo_fast.train.trainer import sampling_seed
+
+    original = trainer._generate
+
+    def generate(prompts):
+        torch.manual_seed(sampling_seed(cfg.seed, trainer.state.global_step // cfg.mu, 0))
+        return original(prompts)
+
+    trainer._generate = generate
+    return trainer
+
+
+def paired_records(cfg, steps: int) -> list[dict]:
+    """The training records of ``steps`` generations in the order grpo-fast's sampler hands them out."""
+    from grpo_fast.train.data import PromptSampler
+    from grpo_fast.train.tasks import TASK_SIZE, builtin_records
+
+    sampler = PromptSampler(builtin_records(cfg.dataset.split(":", 1)[1], "train", TASK_SIZE), cfg.prompts_per_step,
+                            seed=cfg.seed)
+    return [r for _ in range(steps) for r in sampler.next_batch()]
+
+
+def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None, paired: bool = False) -> dict:
+    """TRL's ``GRPOTrainer`` on the same task, model weights and settings; the same outputs as ``run_grpo_fast``.
+    ``paired``: grpo-fast's prompt order and sampling stream (:func:`paired_trl`)."""
     start = _start("trl", threads)
     from transformers import TrainerCallback
 
@@ -312,7 +345,10 @@ def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None) 
     scorer = setup(cfg)
     with tempfile.TemporaryDirectory(prefix="bench_peer_") as tmp:
         model_dir = save_initial_model(Path(tmp) / "model", seed)
-        trainer = build_trl_trainer(cfg, model_dir, str(Path(tmp) / "out"), callbacks=[timer])
+        trainer = build_trl_trainer(cfg, model_dir, str(Path(tmp) / "out"), callbacks=[timer],
+                                    records=paired_records(cfg, steps) if paired else None)
+        if paired:
+            paired_trl(trainer, cfg, steps)
         scorer.model, scorer.policy = trainer.model, PolicyForward(trainer.model)  # every pass goes through policy
         eval_before = evaluate(scorer)
         trainer.train()
@@ -452,6 +488,9 @@ def _parse_args(argv):
                    help="keep the finished runs of <out> (rows without error, and their curves) and run only the "
                         "missing (seed, trainer) pairs: a stopped benchmark continues, or another trainer is added")
     p.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per trainer process")
+    p.add_argument("--paired", action="store_true",
+                   help="common random numbers: TRL gets grpo-fast's prompt order and per-step sampling seeds, so the "
+                        "two runs of a seed share their random stream and differ only by what the trainers compute")
     return p.parse_args(argv)
 
 
@@ -468,7 +507,7 @@ def main(argv=None) -> int:
         trl_args(default_config(args.steps, seed, "unused", **overrides), "unused")
     print(f"peer comparison on {harness.device_name('cpu')}, {threads} threads: default task, {args.steps} steps, "
           f"seeds {' '.join(map(str, args.seeds))}{'; ' + ' '.join(args.set) if args.set else ''}; trainers "
-          f"{', '.join(args.trainers)}", flush=True)
+          f"{', '.join(args.trainers)}{'; paired (common random numbers)' if args.paired else ''}", flush=True)
     rows, curve_rows = [], []
     if args.keep and args.out.exists():
         rows = [r for r in harness.read_csv(args.out) if not r["error"]]
@@ -485,7 +524,7 @@ def main(argv=None) -> int:
             print(f"  seed {seed} {name:>9} ... ", end="", flush=True)
             t0 = time.perf_counter()
             try:
-                params = dict(steps=args.steps, seed=seed, threads=threads, overrides=overrides)
+                params = dict(steps=args.steps, seed=seed, threads=threads, overrides=overrides, paired=args.paired)
                 r = harness.run_isolated(f"bench.bench_peer:run_{name}", params, timeout=args.timeout)
                 row = summary_row(r)
                 curve_rows += [dict(seed=seed, trainer=name, step=c["step"], reward=c["reward"],
@@ -496,7 +535,7 @@ def main(argv=None) -> int:
             except harness.IsolatedError as e:
                 row = dict(trainer=name, steps=args.steps, error=str(e))
                 print(f"ERROR: {e}", flush=True)
-            rows.append({"seed": seed, **row, **env})
+            rows.append({"seed": seed, **row, "paired": args.paired, **env})
             # after every run: a stopped benchmark keeps what it finished
             harness.write_csv(args.out, rows)
             harness.write_csv(curve_path(args.out), curve_rows)

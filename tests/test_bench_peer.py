@@ -216,3 +216,22 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     rc = bench_peer.main(["--steps", "2", "--seeds", "0", "--trainers", "trl", "--keep", "--out", str(out), "--set",
                           *(f"{k}={v}" for k, v in TINY.items())])
     assert rc == 0 and out.read_text() == before and "kept from" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_paired_runs_share_their_random_stream(tmp_path, capsys):
+    """--paired: TRL gets grpo-fast's prompt order and per-step sampling seeds, and the two trainers, which compute
+    the same updates (tests/test_lockstep_trl.py), then sample the same completions and log the same reward at every
+    step of a run whose rewards are not all 0 (a task and a seed where some groups score)."""
+    out = tmp_path / "paired.csv"
+    options = {**TINY, "dataset": "builtin:median", "rewards": "exact", "prompts_per_step": "8", "group_size": "8"}
+    rc = bench_peer.main(["--steps", "6", "--seeds", "1", "--paired", "--out", str(out), "--set",
+                          *(f"{k}={v}" for k, v in options.items())])
+    assert rc == 0, capsys.readouterr().out
+    with open(bench_peer.curve_path(out), newline="") as f:
+        curve = list(csv.DictReader(f))
+    rewards = {t: [float(r["reward"]) for r in curve if r["trainer"] == t] for t in ("grpo_fast", "trl")}
+    assert len(rewards["trl"]) == 6 and rewards["grpo_fast"] == rewards["trl"], rewards
+    assert any(r > 0 for r in rewards["trl"])  # the comparison sees scored samples, not only zeros
+    with open(out, newline="") as f:
+        assert {r["paired"] for r in csv.DictReader(f)} == {"True"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import json
 
 import pytest
@@ -466,3 +467,12 @@ def test_token_mean_weight():
     assert token_mean_weight("micro_batch", 3.0, 20.0, 4) == 0.25
     assert token_mean_weight("generation", 3.0, 20.0, 4) == 0.15
     assert token_mean_weight("generation", 0.0, 0.0, 1) == 0.0  # a generation without tokens divides by 1
+
+
+def test_micro_batches_smaller_than_a_group_train(tmp_path):
+    """micro_batch_size < group_size: no micro-batch holds a whole group, so the prompt is not shared (the planner
+    divided by the shared token count, 0 here), and the run trains."""
+    summary = train(small_config(tmp_path, steps=2, micro_batch_size=2, group_size=4))
+    steps = read_steps(tmp_path / "run" / "metrics.jsonl")
+    assert summary.steps == 2 and len(steps) == 2
+    assert all(s["prefix_saving"] == 1.0 and math.isfinite(s["grad_norm"]) for s in steps)

@@ -247,11 +247,16 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted({i for i in ids if i is not None})
 
 
+def sampling_seed(seed: int, step: int, chunk_index: int) -> int:
+    """The seed of the sampling RNG of prompt chunk ``chunk_index`` at step ``step`` (counted from 0) of a run
+    seeded ``seed``."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + chunk_index) % (2**63)
+
+
 def sampling_generator(run: Run, chunk_index: int) -> torch.Generator:
     """The sampling RNG of one prompt chunk: seeded by (seed, step, chunk), so a resumed run or a run on another
     number of processes samples the same completions for the same prompts."""
-    seed = (run.config.seed * 1_000_003 + run.step) * 1_000_033 + chunk_index
-    return torch.Generator(device=run.device).manual_seed(seed % (2**63))
+    return torch.Generator(device=run.device).manual_seed(sampling_seed(run.config.seed, run.step, chunk_index))
 
 
 def rollout(run: Run, records: list[dict], group_size: int, params: SamplingParams,
@@ -308,7 +313,9 @@ def plan_shared_prefix(run: Run, ro: Rollout) -> dict:
     for rows, pcols, tcols in micro_batches(ro, cfg.micro_batch_size):
         n = ro.completion_ids[rows].shape[0]
         P, T = ro.prompt_ids[rows, pcols].shape[1], ro.completion_ids[rows, tcols].shape[1]
-        u, s = token_counts(P, T, n // cfg.group_size, cfg.group_size)
+        u = n * (P + T)
+        # a micro-batch of part of a group (micro_batch_size < group_size) cannot share its prompt
+        s = token_counts(P, T, n // cfg.group_size, cfg.group_size)[1] if n % cfg.group_size == 0 else u
         unshared, shared = unshared + u, shared + s
     unshared, shared = dist_.sum_across([unshared, shared], run.world, run.device)  # one decision on every rank
     saving = unshared / shared
