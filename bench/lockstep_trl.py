@@ -471,37 +471,31 @@ def lockstep(steps: int = 4, seed: int = 0, overrides: dict | None = None) -> li
 # Part 2: each side's own sampling
 
 
-def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int, float]:
-    """Pearson's chi-square of counts ``observed`` against ``expected`` (same total), bins with expected < 5 merged
-    into one; returns (statistic, degrees of freedom, p-value)."""
+def _pearson(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int, float]:
+    """Pearson's chi-square of count rows ``observed [k, n]`` against ``expected [n]``, bins with an expected count
+    below 5 merged into one; returns (statistic, degrees of freedom, p-value)."""
     observed, expected = observed.double(), expected.double()
     small = expected < 5
     if small.any():
-        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+        observed = torch.cat([observed[:, ~small], observed[:, small].sum(1, keepdim=True)], dim=1)
         expected = torch.cat([expected[~small], expected[small].sum()[None]])
     keep = expected > 0
-    observed, expected = observed[keep], expected[keep]
+    observed, expected = observed[:, keep], expected[keep]
     stat = float(((observed - expected) ** 2 / expected).sum())
     dof = int(keep.sum()) - 1
     p = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0)))
     return stat, dof, p
 
 
+def chi_square_p(observed: torch.Tensor, expected: torch.Tensor) -> tuple[float, int, float]:
+    """Goodness of fit of counts ``observed`` to ``expected`` (same total): :func:`_pearson`."""
+    return _pearson(observed[None], expected)
+
+
 def homogeneity_p(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int, float]:
     """Chi-square test that two count vectors come from one distribution (equal totals): each against the pooled
-    frequencies, bins with a pooled expected count below 5 merged."""
-    pooled = (a + b).double() / 2
-    observed = torch.stack([a, b]).double()
-    small = pooled < 5
-    if small.any():
-        observed = torch.cat([observed[:, ~small], observed[:, small].sum(1, keepdim=True)], dim=1)
-        pooled = torch.cat([pooled[~small], pooled[small].sum()[None]])
-    keep = pooled > 0
-    observed, pooled = observed[:, keep], pooled[keep]
-    stat = float(((observed - pooled) ** 2 / pooled).sum())
-    dof = int(keep.sum()) - 1
-    p = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), torch.tensor(stat / 2.0)))
-    return stat, dof, p
+    frequencies (:func:`_pearson`)."""
+    return _pearson(torch.stack([a, b]), (a + b).double() / 2)
 
 
 def sampling(samples: int = 20000, seed: int = 0, overrides: dict | None = None, prompt_index: int = 0,
