@@ -145,6 +145,11 @@ def _quiet_libraries() -> None:
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
 
 
+def train_overrides(args: argparse.Namespace) -> dict:
+    """The TrainConfig options a parsed ``train`` command line sets (its own flags, --config and --debug, left out)."""
+    return {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug")}
+
+
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from grpo_fast.train import build_config, fit, prepare
     from grpo_fast.train.config import read_config_file
@@ -152,7 +157,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from grpo_fast.train.rewards import RewardError
     from grpo_fast.train.trainer import TrainingInterrupted
 
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug")}
+    overrides = train_overrides(args)
     file_values: dict = {}
     try:
         file_values = read_config_file(args.config) if args.config else {}

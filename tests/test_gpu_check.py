@@ -20,7 +20,7 @@ import pytest
 
 from bench import bench_head, bench_loss, bench_memory, bench_prefix, harness
 from grpo_fast import doctor
-from grpo_fast.cli import _train_parser
+from grpo_fast.cli import _train_parser, train_overrides
 from grpo_fast.train import build_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +106,7 @@ def test_each_step_passes_its_command_valid_arguments(step, tmp_path):
         assert module == "grpo_fast" and args[0] == "train"
         sub = argparse.ArgumentParser().add_subparsers(dest="command")
         ns = _train_parser(sub).parse_args(args[1:])
-        config = build_config({}, {k: v for k, v in vars(ns).items() if k not in ("command", "config")})
+        config = build_config({}, train_overrides(ns))
         assert config.device == "cuda" and config.steps == 50
 
 
