@@ -33,12 +33,15 @@ class LossType(str, enum.Enum):
         return self in _CLIP_FAMILY
 
     @property
-    def uses_logp_directly(self) -> bool:
-        """``l = -c * A * logp`` with a detached coefficient c (CISPO, VESPO)."""
-        return self in (LossType.CISPO, LossType.VESPO)
+    def divides_by_num_items(self) -> bool:
+        """The loss is a sum over tokens divided by ``num_items_in_batch`` (dapo, cispo, vespo; TRL's normaliser is
+        then the generation batch's token count): with the whole batch's count there, a micro-batch's loss needs no
+        gradient-accumulation weight (``grpo_fast.loss.micro_batch_scale``)."""
+        return self in _NUM_ITEMS_DIVIDED
 
 
 _CLIP_FAMILY = frozenset({LossType.GRPO, LossType.BNPO, LossType.DR_GRPO, LossType.DAPO, LossType.LUSPO})
+_NUM_ITEMS_DIVIDED = frozenset({LossType.DAPO, LossType.CISPO, LossType.VESPO})
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 

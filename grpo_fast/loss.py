@@ -1,4 +1,5 @@
-"""Public GRPO losses: ``grpo_loss`` (from hidden states), ``grpo_loss_from_logps`` and the ``GRPOLoss`` module."""
+"""Public GRPO losses: ``grpo_loss`` (from hidden states), ``grpo_loss_from_logps`` and the ``GRPOLoss`` module; the
+gradient-accumulation weight of a micro-batch's loss (``micro_batch_scale``)."""
 
 from __future__ import annotations
 
@@ -186,6 +187,24 @@ def grpo_loss_from_logps(
     kw = dict(old_logps=old_logps, ref_logps=ref_logps, sampling_ratio=sampling_ratio,
               num_items_in_batch=num_items_in_batch)
     return _loss_from_logps(impl, logps, advantages, mask, entropy, kw, config)
+
+
+def micro_batch_scale(loss_type: LossType | str, row_share: float, token_weight: float) -> float:
+    """The weight of one micro-batch's ``grpo_loss`` under gradient accumulation, so that the accumulated gradient is
+    the whole batch's (TRL's scaling).
+
+    The losses that divide by ``num_items_in_batch`` (dapo, cispo, vespo: ``LossType.divides_by_num_items``) are
+    already weighted when it is the whole batch's token count: 1. bnpo's token mean of the micro-batch counts with
+    ``token_weight`` (TRL's ``1 / gradient_accumulation_steps``; a trainer may weight it by its share of the batch's
+    tokens instead); the per-sequence means (grpo, sapo, dr_grpo, luspo) with ``row_share``, the micro-batch's share
+    of the batch's rows (TRL's ``1 / gradient_accumulation_steps``, its micro-batches being of one size).
+    """
+    loss_type = LossType(loss_type)
+    if loss_type.divides_by_num_items:
+        return 1.0
+    if loss_type == LossType.BNPO:
+        return token_weight
+    return row_share
 
 
 class GRPOLoss(nn.Module):

@@ -43,9 +43,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from packaging.version import Version
 
-from grpo_fast.config import GRPOLossConfig
+from grpo_fast.config import GRPOLossConfig, LossType
 from grpo_fast.logprobs import fused_logprobs
-from grpo_fast.loss import grpo_loss, grpo_loss_from_logps
+from grpo_fast.loss import grpo_loss, grpo_loss_from_logps, micro_batch_scale
 
 MIN_TRL = "1.16"
 if Version(trl.__version__) < Version(MIN_TRL):
@@ -55,9 +55,6 @@ if Version(trl.__version__) < Version(MIN_TRL):
     )
 
 __all__ = ["FastGRPOTrainer"]
-
-# Loss types whose TRL normaliser is the generation batch's token count (the rest divide by GA).
-_TOKEN_NORMALISED = ("dapo", "cispo", "vespo")
 
 # The GRPOConfig fields of TRL 1.16 beyond TrainingArguments. A field outside this set is an option a newer TRL added
 # and this trainer does not know: it is refused when set away from its default instead of being silently ignored.
@@ -334,12 +331,10 @@ class FastGRPOTrainer(GRPOTrainer):
                 out = grpo_loss_from_logps(logps, advantages, mask, sampling_ratio=sampling_ratio,
                                            entropy=entropies.detach(), config=config, impl=self.impl, **kw)
 
-        if self.loss_type in _TOKEN_NORMALISED:
-            loss = out.loss * rescale if rescale != 1.0 else out.loss
-            policy_loss = loss.detach()
-        else:
-            policy_loss = out.loss.detach()
-            loss = out.loss / ga
+        # TRL's scaling: dapo/cispo/vespo by their normaliser's rescale (1 unless it is below 1), the rest by 1 / GA
+        scale = micro_batch_scale(config.loss_type, 1 / ga, 1 / ga) * rescale
+        loss = out.loss * scale if scale != 1.0 else out.loss
+        policy_loss = (loss if config.loss_type.divides_by_num_items else out.loss).detach()
 
         if self._entropy_bonus_enabled:
             if self.top_entropy_quantile < 1.0:
@@ -358,7 +353,7 @@ class FastGRPOTrainer(GRPOTrainer):
     def _token_normaliser(self, inputs, mode):
         """dapo/cispo/vespo: TRL divides by ``num_items_in_batch / num_processes`` (times ``GA / steps_per_generation``
         in training). grpo_loss clamps its denominator at 1, so a smaller one is passed as 1 plus a rescale."""
-        if self.loss_type not in _TOKEN_NORMALISED:
+        if not LossType(self.loss_type).divides_by_num_items:
             return None, 1.0
         normaliser = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
         if mode == "train":

@@ -19,8 +19,9 @@ from pathlib import Path
 import torch
 
 from grpo_fast import fused_logprobs, group_advantages, grpo_loss
-from grpo_fast.config import GRPOLossConfig, LossType
+from grpo_fast.config import GRPOLossConfig
 from grpo_fast.dispatch import resolve_impl
+from grpo_fast.loss import micro_batch_scale
 from grpo_fast.train.shared_prefix import enable as enable_shared_prefix
 from grpo_fast.train.shared_prefix import shared_prefix_forward, token_counts, unsupported_reason
 from grpo_fast.train import checkpoint as ckpt
@@ -48,8 +49,6 @@ from grpo_fast.train.tasks import TASK_SIZE, builtin_records
 
 logger = logging.getLogger("grpo_fast.train")
 
-# loss types whose reduction is a sum over tokens divided by num_items_in_batch (DESIGN.md §4)
-TOKEN_SUM_LOSSES = (LossType.DAPO, LossType.CISPO, LossType.VESPO)
 TINY_LR, MODEL_LR = 5e-4, 1e-6
 SHARED_PREFIX_MIN_SAVING = 1.3  # auto mode shares the prompt when it cuts the tokens through the model this much
 
@@ -383,21 +382,6 @@ def token_mean_weight(token_mean: str, tokens: float, total_tokens: float, micro
     return 1.0 / micro_batches if token_mean == "micro_batch" else tokens / max(total_tokens, 1.0)
 
 
-def micro_batch_scale(loss_type: LossType, rows: int, total_rows: int, token_weight: float) -> float:
-    """Weight of one micro-batch's loss so that the accumulated gradient is the whole generation's.
-
-    dapo/cispo/vespo already divide by ``num_items_in_batch`` (the generation's token count); bnpo's per-batch token
-    mean is weighted by ``token_weight`` (:func:`token_mean_weight`); the per-sequence means (grpo, sapo, dr_grpo,
-    luspo) by the micro-batch's share of rows (TRL's ``1 / gradient_accumulation_steps`` when, as TRL requires, the
-    micro-batches are of one size).
-    """
-    if loss_type in TOKEN_SUM_LOSSES:
-        return 1.0
-    if loss_type == LossType.BNPO:
-        return token_weight
-    return rows / total_rows
-
-
 def micro_batch_config(config: GRPOLossConfig, weight: float, token_weight: float) -> GRPOLossConfig:
     """The entropy bonus is a token mean whatever the loss type: its coefficient is rescaled so that after the
     micro-batch weight it counts with ``token_weight`` (:func:`token_mean_weight`)."""
@@ -418,7 +402,7 @@ def _micro_batch_loss(model, run: Run, ro: Rollout, rows, pcols, tcols, advantag
     tokens = float(mask.sum())
     share = tokens / max(total_tokens, 1.0)  # the micro-batch's share of the generation's tokens (metrics)
     token_weight = token_mean_weight(run.config.token_mean, tokens, total_tokens, micro_batches)
-    scale = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0], total_rows, token_weight)
+    scale = micro_batch_scale(run.loss_config.loss_type, hidden.shape[0] / total_rows, token_weight)
     out = grpo_loss(
         hidden, weight, ro.completion_ids[rows, tcols], advantages[rows], mask,
         old_logps=None if old_logps is None else old_logps[rows, tcols],
