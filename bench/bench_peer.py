@@ -293,11 +293,11 @@ def build_trl_trainer(cfg, model_dir: str, output_dir: str, callbacks=(), record
 def paired_trl(trainer, cfg, steps: int):
     """Common random numbers for ``trainer`` (TRL's, built with ``records=paired_records(cfg, steps)``): before each
     generation TRL's global torch generator is seeded with the seed grpo-fast's sampler uses at that step
-    (``grpo_fast.train.trainer.sampling_seed``), so that the two trainers draw their completions from one random
+    (``grpo_fast.train.rollout.sampling_seed``), so that the two trainers draw their completions from one random
     stream and see the same prompts in the same order (lockstep_trl: the same weights and stream give the same
     completions). The two runs then differ only by what the trainers compute, and by float rounding once it tips a
     sample."""
-    from grpo_fast.train.trainer import sampling_seed
+    from grpo_fast.train.rollout import sampling_seed
 
     original = trainer._generate
 
@@ -326,7 +326,8 @@ def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None, 
     from transformers import TrainerCallback
 
     from grpo_fast.train.distributed import PolicyForward
-    from grpo_fast.train.trainer import evaluate, setup
+    from grpo_fast.train.evaluation import evaluate
+    from grpo_fast.train.trainer import setup
 
     class StepTimer(TrainerCallback):
         def __init__(self):

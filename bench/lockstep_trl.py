@@ -240,7 +240,7 @@ def replay_grpo_fast(run, trl_steps: list[Step]) -> list[Step]:
     """Runs grpo-fast's ``train_step`` once per TRL generation, with TRL's prompts (in TRL's order) and TRL's sampled
     completions injected in place of its own rollout; returns what each step computed."""
     from grpo_fast.train import trainer as T
-    from grpo_fast.train.rollout import Rollout
+    from grpo_fast.train.rollout import Rollout, SamplingParams, encode_prompts, generate
 
     out: list[Step] = []
     positions = DecoderPositions(run.model)
@@ -249,10 +249,10 @@ def replay_grpo_fast(run, trl_steps: list[Step]) -> list[Step]:
     def injected_rollout(run_, records, group_size, params, first_chunk=0):
         t = current["trl"].tensors
         # grpo-fast's own prompt encoding and generation positions, recorded next to TRL's
-        ids, mask = T.encode_prompts(run_, records)
+        ids, mask = encode_prompts(run_, records)
         out[-1].tensors["own_prompt_ids"], out[-1].tensors["own_prompt_mask"] = ids, mask
         with phase(positions, "generate"), torch.no_grad():
-            run_.policy(T.generate, ids, mask, 1, T.SamplingParams(1, 1.0), eos_token_id=0,
+            run_.policy(generate, ids, mask, 1, SamplingParams(1, 1.0), eos_token_id=0,
                         pad_token_id=run_.tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
         prefill, _ = positions.take("generate")[0]
         out[-1].positions["generate"] = (absolute_positions(prefill, mask), relative_positions(prefill, mask))
@@ -510,8 +510,8 @@ def sampling(samples: int = 20000, seed: int = 0, overrides: dict | None = None,
       next-token distribution (``softmax`` of the temperature-scaled, top-k/top-p filtered logits), and homogeneity
       of the two frequency tables.
     """
-    from grpo_fast.train.rollout import SamplingParams, filter_logits, generate
-    from grpo_fast.train.trainer import encode_prompts, eos_token_ids, setup
+    from grpo_fast.train.rollout import SamplingParams, encode_prompts, eos_token_ids, filter_logits, generate
+    from grpo_fast.train.trainer import setup
 
     values = {**LOCKSTEP_DEFAULTS, **(overrides or {})}
     torch.set_num_threads(int(values["threads"]))

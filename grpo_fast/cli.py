@@ -155,7 +155,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from grpo_fast.train.config import read_config_file
     from grpo_fast.train.distributed import shutdown
     from grpo_fast.train.rewards import RewardError
-    from grpo_fast.train.trainer import TrainingInterrupted
+    from grpo_fast.train.lifecycle import TrainingInterrupted
 
     overrides = train_overrides(args)
     file_values: dict = {}

@@ -1,5 +1,5 @@
 """Public GRPO losses: ``grpo_loss`` (from hidden states), ``grpo_loss_from_logps`` and the ``GRPOLoss`` module; the
-gradient-accumulation weight of a micro-batch's loss (``micro_batch_scale``)."""
+gradient-accumulation weight of a micro-batch's loss (``micro_batch_scale``, ``token_mean_weight``)."""
 
 from __future__ import annotations
 
@@ -205,6 +205,14 @@ def micro_batch_scale(loss_type: LossType | str, row_share: float, token_weight:
     if loss_type == LossType.BNPO:
         return token_weight
     return row_share
+
+
+def token_mean_weight(token_mean: str, tokens: float, total_tokens: float, micro_batches: int) -> float:
+    """The weight of one micro-batch's token mean in the generation's (``micro_batch_scale``'s ``token_weight``; also
+    that of the entropy bonus, a token mean for every loss type): ``1 / micro_batches`` with
+    ``token_mean="micro_batch"`` (TRL's: the micro-batches' token means averaged), its share of the generation's
+    tokens with ``"generation"`` (the token mean of the whole generation)."""
+    return 1.0 / micro_batches if token_mean == "micro_batch" else tokens / max(total_tokens, 1.0)
 
 
 class GRPOLoss(nn.Module):

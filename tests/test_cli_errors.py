@@ -19,7 +19,7 @@ from grpo_fast.cli import main, resume_command
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train import prepare, train
 from grpo_fast.train.metrics import read_steps
-from grpo_fast.train.trainer import TrainingInterrupted, fit
+from grpo_fast.train.lifecycle import TrainingInterrupted, fit
 
 TINY = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-size", "2", "--max-new-tokens", "2",
         "--progress", "false", "--plot", "false"]
@@ -211,9 +211,9 @@ def test_resume_command_repeats_the_options_with_resume(monkeypatch):
 
 def _interrupting_step(monkeypatch, at_step: int, times: int):
     """train_step that sends itself ``times`` SIGINTs in the middle of step ``at_step`` (as a terminal would)."""
-    from grpo_fast.train import trainer
+    from grpo_fast.train import lifecycle
 
-    real = trainer.train_step
+    real = lifecycle.train_step
 
     def step(run):
         if run.step + 1 == at_step:
@@ -222,7 +222,7 @@ def _interrupting_step(monkeypatch, at_step: int, times: int):
                 time.sleep(0.01)  # the handler runs between bytecodes of the main thread
         return real(run)
 
-    monkeypatch.setattr(trainer, "train_step", step)
+    monkeypatch.setattr(lifecycle, "train_step", step)
 
 
 def test_ctrl_c_finishes_the_step_and_saves_it(tmp_path, monkeypatch):
@@ -277,12 +277,12 @@ def test_ctrl_c_in_a_real_process_saves_and_resumes(tmp_path):
 
 
 def test_ctrl_c_before_the_first_step_is_one_line(tmp_path, capsys, monkeypatch):
-    from grpo_fast.train import trainer
+    from grpo_fast.train import lifecycle
 
     def interrupted(run):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(trainer, "evaluate", interrupted)  # Ctrl-C in the before-evaluation
+    monkeypatch.setattr(lifecycle, "evaluate", interrupted)  # Ctrl-C in the before-evaluation
     out = tmp_path / "run"
     assert main(["train", *TINY, "--output-dir", str(out)]) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
@@ -294,7 +294,7 @@ def test_a_stop_with_nothing_saved_says_to_start_again(tmp_path, capsys, monkeyp
     """A second Ctrl-C before the first checkpoint leaves nothing to resume: the message says to start again with
     --overwrite, not to --resume (which would start from step 0 and look like a resume)."""
     import grpo_fast.train as train
-    from grpo_fast.train.trainer import TrainingInterrupted
+    from grpo_fast.train.lifecycle import TrainingInterrupted
 
     def stopped(prepared):
         raise TrainingInterrupted("stopped at once by a second Ctrl-C after 0 of 1 steps; no checkpoint was saved",

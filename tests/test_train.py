@@ -13,19 +13,15 @@ from train_helpers import HERE, save_local_model, small_config
 from grpo_fast import grpo_loss_from_logps
 from grpo_fast.config import LossType
 from grpo_fast.testing import assert_close_rule
+from grpo_fast.train import rewards as rewards_module
 from grpo_fast.train import train
 from grpo_fast.train import trainer as trainer_module
+from grpo_fast.train.evaluation import evaluate
 from grpo_fast.train.forward import position_ids_from_mask
 from grpo_fast.train.metrics import read_steps
-from grpo_fast.train.rollout import SamplingParams
-from grpo_fast.train.trainer import (
-    evaluate,
-    policy_update,
-    reference_logprobs,
-    rollout,
-    score,
-    setup,
-)
+from grpo_fast.train.rewards import score
+from grpo_fast.train.rollout import SamplingParams, rollout
+from grpo_fast.train.trainer import policy_update, reference_logprobs, setup
 from grpo_fast import group_advantages
 
 REWARDS = str(HERE / "train_helpers.py")
@@ -89,7 +85,8 @@ def _check_updates_against_the_reference(monkeypatch) -> tuple[list, list]:
         return scored[-1]
 
     monkeypatch.setattr(trainer_module, "policy_update", checked_update)
-    monkeypatch.setattr(trainer_module, "score", recorded_score)
+    monkeypatch.setattr(trainer_module, "score", recorded_score)  # the steps'
+    monkeypatch.setattr(rewards_module, "score", recorded_score)  # the held-out evaluation's (imported when it runs)
     return expected, scored
 
 
@@ -123,7 +120,7 @@ def test_end_to_end_run_logs_the_reference_loss_of_its_samples(tmp_path, monkeyp
 
 def _first_token_logp(run, token: str) -> float:
     """Mean log-prob of ``token`` as the first completion token over a fixed set of training prompts."""
-    from grpo_fast.train.trainer import encode_prompts
+    from grpo_fast.train.rollout import encode_prompts
 
     ids, mask = encode_prompts(run, run.sampler.records[:32])
     from grpo_fast.train.forward import position_ids_from_mask
@@ -329,7 +326,7 @@ def test_a_new_run_does_not_overwrite_an_earlier_one(tmp_path):
 
 
 def test_eos_ids_include_the_generation_config(tmp_path):
-    from grpo_fast.train.trainer import eos_token_ids
+    from grpo_fast.train.rollout import eos_token_ids
 
     run = setup(small_config(tmp_path))
     run.model.generation_config.eos_token_id = [run.tokenizer.eos_token_id, 7]
@@ -462,7 +459,7 @@ def test_a_replaced_model_without_its_wrapper_is_refused(tmp_path):
 
 def test_token_mean_weight():
     """A micro-batch's token mean counts 1 / micro_batches of the generation's (TRL's), or its share of the tokens."""
-    from grpo_fast.train.trainer import token_mean_weight
+    from grpo_fast.loss import token_mean_weight
 
     assert token_mean_weight("micro_batch", 3.0, 20.0, 4) == 0.25
     assert token_mean_weight("generation", 3.0, 20.0, 4) == 0.15

@@ -1,8 +1,9 @@
-"""``grpo-fast eval``: the run's own held-out evaluation (``trainer.evaluate``) for any saved model.
+"""A run's held-out evaluation (:func:`evaluate`, before and after training) and ``grpo-fast eval``: the same
+evaluation for any saved model.
 
 The model directory is what a run leaves in ``output_dir/model`` or what ``grpo-fast export`` writes: full weights,
 or a PEFT adapter (loaded onto its base model and merged). The prompts, the reward functions, the chat template and
-the generation are the trainer's (``trainer.rollout``, ``trainer.score``), so greedy decoding of the held-out split
+the generation are the trainer's (``rollout.rollout``, ``rewards.score``), so greedy decoding of the held-out split
 of a run reproduces its ``eval_after`` exactly. With ``samples`` K > 1 every prompt gets K completions sampled at
 ``temperature``: mean@K is the mean reward over all of them, pass@K the fraction of prompts with at least one
 completion whose (weighted) reward reaches ``pass_threshold``.
@@ -11,12 +12,15 @@ completion whose (weighted) reward reaches ``pass_threshold``.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger("grpo_fast.train")
 
 ADAPTER_CONFIG = "adapter_config.json"
 DEFAULT_MAX_NEW_TOKENS = 256  # when the model's generation_config.json does not say
@@ -27,6 +31,48 @@ _FLAGS = {"model": "--model", "tokenizer": "--model", "dataset": "--dataset", "e
           "micro_batch_size": "--batch-size", "max_new_tokens": "--max-new-tokens", "prompt_column": "--prompt-column",
           "system_prompt": "--system-prompt", "max_prompt_length": "--max-prompt-length", "device": "--device",
           "dtype": "--dtype", "seed": "--seed"}
+
+
+@torch.no_grad()
+def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | None = None) -> float | None:
+    """Mean weighted reward of the held-out prompts' completions (None without any prompts, or when no reward
+    function scored any of them: every one returned None): one greedy completion per prompt by default (the run's
+    before/after evaluation), or ``samples`` completions per prompt drawn with ``params``. ``scores``, when given,
+    receives one ``[samples]`` tensor of weighted rewards per prompt this rank scored, in order, NaN for a completion
+    no function scored (``grpo-fast eval``'s pass@k). ``run`` is the trainer's ``Run``, ``params`` a
+    ``SamplingParams``; completions are sampled and scored as in training (``rollout.rollout``, ``rewards.score``)."""
+    from grpo_fast.train import distributed as dist_
+    from grpo_fast.train.rewards import score, weighted_reward
+    from grpo_fast.train.rollout import SamplingParams, rollout
+
+    if not run.eval_records:
+        return None
+    params = params or SamplingParams(max_new_tokens=run.config.max_new_tokens, temperature=0.0)
+    world = run.world
+    mine = run.eval_records[world.rank :: world.size]  # greedy: any split gives the same completions
+    total, scored = 0.0, 0
+    chunk = max(1, run.config.micro_batch_size // samples)  # prompts per generation call
+    # every rank makes the same number of generation calls (FSDP2 gathers weights in each); surplus calls are empty
+    calls = math.ceil(math.ceil(len(run.eval_records) / world.size) / chunk)
+    for i in range(calls):
+        part = mine[i * chunk : (i + 1) * chunk]
+        # a surplus call generates, unscored; sampling seeds differ per call and rank
+        _, completions = rollout(run, part or run.eval_records[:1], samples, params,
+                                 first_chunk=world.rank * calls + i)
+        if part:
+            per_function = score(run, part, completions, samples)
+            rewards = weighted_reward(run, per_function)
+            total += float(rewards.sum())
+            unscored = per_function.isnan().all(dim=1)  # every function returned None
+            scored += int((~unscored).sum())
+            if scores is not None:
+                scores.extend(rewards.masked_fill(unscored, math.nan).view(len(part), samples))
+    total, scored = dist_.sum_across([total, float(scored)], world, run.device)
+    if not scored:
+        logger.warning("held-out evaluation: no reward function scored any of the %d completions (all returned None)",
+                       len(run.eval_records) * samples)
+        return None
+    return total / (len(run.eval_records) * samples)
 
 
 @dataclass
@@ -153,7 +199,7 @@ def _evaluate(options: EvalOptions) -> dict:
     from grpo_fast.train.model import resolve_dtype
     from grpo_fast.train.rewards import load_reward
     from grpo_fast.train.rollout import SamplingParams
-    from grpo_fast.train.trainer import Run, evaluate, load_datasets
+    from grpo_fast.train.trainer import Run, load_datasets
 
     options.check()
     model_dir = Path(options.model)

@@ -1,4 +1,5 @@
-"""Reward functions in TRL's convention, the built-in rewards, a loader for user rewards and the reward matrix.
+"""Reward functions in TRL's convention, the built-in rewards, a loader for user rewards and the reward matrix (of
+a run's completions: :func:`score`).
 
 A reward function is called as ``fn(prompts, completions, **columns) -> list[float | None]``: ``prompts`` and
 ``completions`` are strings or chat-message lists (``[{"role": ..., "content": ...}, ...]``) and every other dataset
@@ -395,3 +396,28 @@ def compute_rewards(
             raise RewardError(fn, e) from e
         rewards[:, k] = torch.tensor(_as_scores(fn, values, n), dtype=torch.float32)
     return rewards
+
+
+# ------------------------------------------------------------------------------------------------ a run's rewards
+
+
+def score(run, records: list[dict], completions: list[str], group_size: int) -> torch.Tensor:
+    """``[N, K]`` rewards (NaN: not scored) for the ``N = len(records) * group_size`` completions, by ``run``'s reward
+    functions (``run``: the trainer's ``Run``).
+
+    As in TRL, a completion of a conversational prompt (a list of messages) reaches the reward functions as
+    ``[{"role": "assistant", "content": text}]``, a plain-text prompt's as the text.
+    """
+    rows = [r for r in records for _ in range(group_size)]
+    prompt_column = run.config.prompt_column
+    names = dict.fromkeys(k for r in records for k in r if k != prompt_column)  # rows may differ in columns
+    columns = {k: [r.get(k) for r in rows] for k in names}
+    prompts = [r[prompt_column] for r in rows]
+    completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                   for p, c in zip(prompts, completions)]
+    return compute_rewards(run.reward_funcs, prompts, completions, columns)
+
+
+def weighted_reward(run, rewards: torch.Tensor) -> torch.Tensor:
+    """``[N]``: each completion's weighted sum over the reward functions (unscored ones count 0)."""
+    return torch.nansum(rewards * run.reward_weights, dim=1)

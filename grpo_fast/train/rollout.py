@@ -11,7 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_fast.train import distributed as dist_
+from grpo_fast.train.data import render_prompt
 from grpo_fast.train.forward import position_ids_from_mask, unwrap
+from grpo_fast.train.model import autocast
 
 
 @dataclass(frozen=True)
@@ -190,3 +193,64 @@ def generate(
         sampling_logps=torch.stack(logps, dim=1).float(),
         group_size=group_size,
     )
+
+
+# ------------------------------------------------------------------------------------------------ a run's rollout
+
+
+def rollout(run, records: list[dict], group_size: int, params: SamplingParams,
+            first_chunk: int = 0) -> tuple[Rollout, list[str]]:
+    """Samples ``group_size`` completions per record, ``generation_prompts`` prompts at a time (their KV caches are
+    what bounds generation memory); chunk ``i`` samples with ``sampling_generator(first_chunk + i)``. ``run``: the
+    trainer's ``Run``; returns the rollout and the decoded completions."""
+    if dist_.inner_model(run.policy) is not run.model:  # e.g. run.model replaced without its wrapper
+        raise RuntimeError("Run.policy wraps another model than Run.model; replace both (distributed.wrap)")
+    chunk = run.config.generation_prompts or len(records)
+    eos = eos_token_ids(run.model, run.tokenizer)
+    parts = []
+    for i, start in enumerate(range(0, len(records), chunk)):
+        prompt_ids, prompt_mask = encode_prompts(run, records[start : start + chunk])
+        with torch.no_grad(), autocast(run.device, run.dtype):  # no_grad outside DDP's forward: no backward follows
+            parts.append(run.policy(generate, prompt_ids, prompt_mask, group_size, params, eos_token_id=eos,
+                                    pad_token_id=run.tokenizer.pad_token_id,
+                                    generator=sampling_generator(run, first_chunk + i)))
+    result = concat_rollouts(parts, run.tokenizer.pad_token_id)
+    completions = run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
+    return result, completions
+
+
+def encode_prompts(run, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The records' prompts as the model sees them (chat template, system prompt), tokenized and left-padded on
+    ``run``'s device (``run``: the trainer's ``Run``); a prompt longer than ``max_prompt_length`` is refused."""
+    texts = [render_prompt(run.tokenizer, r[run.config.prompt_column], system_prompt=run.config.system_prompt)
+             for r in records]
+    enc = run.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    if enc.input_ids.shape[1] > run.config.max_prompt_length:
+        longest = int(enc.attention_mask.sum(1).argmax())
+        raise ValueError(
+            f"TrainConfig.max_prompt_length: a prompt has {enc.input_ids.shape[1]} tokens, more than "
+            f"{run.config.max_prompt_length}: {texts[longest][:80]!r}..."
+        )
+    return enc.input_ids.to(run.device), enc.attention_mask.to(run.device)
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (chat models often end turns with another
+    token, e.g. Llama-3's <|eot_id|>)."""
+    ids = [tokenizer.eos_token_id]
+    generation_config = getattr(unwrap(model), "generation_config", None)
+    extra = getattr(generation_config, "eos_token_id", None)
+    ids += extra if isinstance(extra, list) else [extra]
+    return sorted({i for i in ids if i is not None})
+
+
+def sampling_seed(seed: int, step: int, chunk_index: int) -> int:
+    """The seed of the sampling RNG of prompt chunk ``chunk_index`` at step ``step`` (counted from 0) of a run
+    seeded ``seed``."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + chunk_index) % (2**63)
+
+
+def sampling_generator(run, chunk_index: int) -> torch.Generator:
+    """The sampling RNG of one prompt chunk: seeded by (seed, step, chunk), so a resumed run or a run on another
+    number of processes samples the same completions for the same prompts."""
+    return torch.Generator(device=run.device).manual_seed(sampling_seed(run.config.seed, run.step, chunk_index))
