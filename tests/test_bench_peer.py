@@ -108,19 +108,24 @@ def test_learning_rate_schedule_is_transformers(schedule):
     k < warmup uses k / warmup of the learning rate, the first update lr 0."""
     from transformers import get_scheduler
 
-    from grpo_fast.train.trainer import lr_lambda
+    from grpo_fast.train.trainer import lr_scheduler
 
     cfg = bench_peer.default_config(20, 0, "unused", warmup_steps=4, lr_schedule=schedule)
-    ours = lr_lambda(cfg, cfg.steps)
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = get_scheduler(bench_peer.SCHEDULES[schedule], optimizer, num_warmup_steps=4, num_training_steps=20)
-    theirs = []
-    for _ in range(20):
-        theirs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    assert [ours(k) for k in range(20)] == pytest.approx(theirs, rel=1e-12, abs=0)
-    assert ours(0) == 0.0 and ours(3) == 0.75 and ours(4) == 1.0
+
+    def rates(make) -> list[float]:
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        scheduler, out = make(optimizer), []
+        for _ in range(20):
+            out.append(optimizer.param_groups[0]["lr"])
+            optimizer.step()
+            scheduler.step()
+        return out
+
+    ours = rates(lambda optimizer: lr_scheduler(optimizer, cfg, cfg.steps))
+    theirs = rates(lambda optimizer: get_scheduler(bench_peer.SCHEDULES[schedule], optimizer, num_warmup_steps=4,
+                                                   num_training_steps=20))
+    assert ours == pytest.approx(theirs, rel=1e-12, abs=0)
+    assert ours[0] == 0.0 and ours[3] == 0.75 and ours[4] == 1.0
 TINY = {"prompts_per_step": "2", "group_size": "4", "micro_batch_size": "4", "eval_size": "16"}
 
 

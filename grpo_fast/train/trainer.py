@@ -37,6 +37,8 @@ logger = logging.getLogger("grpo_fast.train")
 
 TINY_LR, MODEL_LR = 5e-4, 1e-6
 SHARED_PREFIX_MIN_SAVING = 1.3  # auto mode shares the prompt when it cuts the tokens through the model this much
+# TrainConfig.lr_schedule -> transformers' scheduler name (linear: lr_scheduler's own factor)
+LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine"}
 
 
 @dataclass
@@ -344,7 +346,7 @@ def setup(config: TrainConfig) -> Run:
     lr = config.lr or (TINY_LR if config.model == "tiny" else MODEL_LR)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, config, lr, device, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, config.steps * config.mu))
+    scheduler = lr_scheduler(optimizer, config, config.steps * config.mu)
     sampler = PromptSampler(train_records, config.prompts_per_step, seed=config.seed)
     # (under FSDP2 the DTensors' global sizes; a 4-bit weight by its unpacked shape)
     n_params = sum(getattr(getattr(p, "quant_state", None), "shape", p.shape).numel() for p in model.parameters())
@@ -396,24 +398,25 @@ def load_datasets(config: TrainConfig, tokenizer=None) -> tuple[list[dict], list
     return [r for _, r in train], [r for _, r in evaluation]
 
 
-def lr_lambda(config: TrainConfig, total_updates: int):
-    """The learning-rate factor of optimizer update ``update`` (counted from 0): transformers' schedules with warm-up
-    (``get_{constant,linear,cosine}_schedule_with_warmup``, TRL's ``lr_scheduler_type``), so update ``k < warmup``
-    uses ``k / warmup`` of the learning rate (the first update is made with lr 0) and update ``warmup`` the full
-    one."""
+def lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_updates: int):
+    """The learning-rate schedule of ``total_updates`` optimizer updates: ``transformers.get_scheduler``'s (TRL's
+    ``lr_scheduler_type``), so update ``k < warmup_steps`` (counted from 0) uses ``k / warmup_steps`` of the rate (the
+    first update lr 0) and update ``warmup_steps`` the full one. The linear decay is grpo-fast's own factor ``1 - (k -
+    warmup) / (total - warmup)``, as it always was: transformers' ``(total - k) / (total - warmup)`` differs from it in
+    the last bit, and gives 0, not 1, at ``k == warmup_steps == total`` (the rate a final checkpoint keeps)."""
+    from transformers import get_scheduler
+
     warmup = config.warmup_steps
+    if config.lr_schedule != "linear":
+        return get_scheduler(LR_SCHEDULERS[config.lr_schedule], optimizer, num_warmup_steps=warmup,
+                             num_training_steps=total_updates)
 
     def factor(update: int) -> float:
         if update < warmup:
             return update / warmup
-        if config.lr_schedule == "constant":
-            return 1.0
-        progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
-        if config.lr_schedule == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0 - min(1.0, (update - warmup) / max(1, total_updates - warmup))
 
-    return factor
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def shared_prefix_allowed(config: TrainConfig, models: list) -> bool:
