@@ -6,6 +6,7 @@ Each unique prompt is prefilled once; its KV cache is then repeated for the grou
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from dataclasses import dataclass
 
@@ -246,8 +247,12 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def sampling_seed(seed: int, step: int, chunk_index: int) -> int:
     """The seed of the sampling RNG of prompt chunk ``chunk_index`` at step ``step`` (counted from 0) of a run
-    seeded ``seed``."""
-    return ((seed * 1_000_003 + step) * 1_000_033 + chunk_index) % (2**63)
+    seeded ``seed``: a hash of the three (BLAKE2b, 63 bits), so the streams of neighbouring steps, chunks and runs
+    are unrelated. An affine formula ``(seed * a + step) * b + chunk`` served before; torch's CPU generator keeps only
+    the low 32 bits of a seed, and over 8 seeds of the ``median`` task the hashed streams trained to a higher
+    reward (0.775 vs 0.717, last 100 steps; a difference of 1.5 standard errors, docs/train.md)."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{chunk_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**63)
 
 
 def sampling_generator(run, chunk_index: int) -> torch.Generator:
