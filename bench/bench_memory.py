@@ -254,7 +254,7 @@ def build_policy(config, device: torch.device, compute_dtype: torch.dtype, train
     from transformers import AutoModelForCausalLM
 
     from grpo_fast.train.config import TrainConfig
-    from grpo_fast.train.model import attach_lora, disable_dropout
+    from grpo_fast.train.model import attach_lora, disable_dropout, enable_activation_checkpointing
 
     with torch.device(device):  # initialised where it runs (a CPU init of a large model is slow)
         policy = AutoModelForCausalLM.from_config(config)
@@ -263,7 +263,7 @@ def build_policy(config, device: torch.device, compute_dtype: torch.dtype, train
     policy.train()
     disable_dropout(policy)
     if training.checkpointing:
-        policy.activation_checkpointing_enable()
+        enable_activation_checkpointing(policy)
     if training.lora_r:
         policy = attach_lora(policy, TrainConfig(lora_r=training.lora_r))
     return policy

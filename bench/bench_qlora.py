@@ -190,6 +190,8 @@ def train_config(config: str, model_dir: str):
 
 def trl_config(config: str, shape: Shape, output_dir: str, seed: int) -> dict:
     """``GRPOConfig``'s keyword arguments for ``config``: every option that matters to the step, explicit."""
+    from grpo_fast.train.model import checkpointing_arguments
+
     cfg = train_config(config, "unused")
     return dict(
         output_dir=output_dir, use_cpu=True, bf16=False, fp16=False, seed=seed, report_to=[], save_strategy="no",
@@ -201,7 +203,7 @@ def trl_config(config: str, shape: Shape, output_dir: str, seed: int) -> dict:
         temperature=1.0, top_p=1.0, top_k=0, repetition_penalty=1.0,
         loss_type="dapo", beta=BETA, epsilon=EPSILON, epsilon_high=EPSILON, scale_rewards="group",
         mask_truncated_completions=False, disable_dropout=True,
-        gradient_checkpointing=False, activation_checkpointing=False,
+        **checkpointing_arguments(False),
         learning_rate=LR, optim=cfg.optim, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_epsilon=1e-8,
         weight_decay=0.0, max_grad_norm=MAX_GRAD_NORM, lr_scheduler_type="constant", warmup_steps=0,
     )

