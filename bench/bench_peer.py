@@ -64,6 +64,7 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_peer.py
 import torch
 
 from bench import harness
+from grpo_fast.train.model import checkpointing_arguments
 
 TRAINERS = ("grpo_fast", "trl")
 FINAL_WINDOW = 100  # final_reward_avg: mean reward of the last this many steps
@@ -100,8 +101,8 @@ COUNTERPARTS = {
     "top_k": ("top_k",),
     "scale_rewards": ("scale_rewards",),
     "reward_weights": ("reward_weights",),
-    # transformers 5 renamed it activation_checkpointing; GRPOConfig's default of the old name is True
-    "gradient_checkpointing": ("activation_checkpointing", "gradient_checkpointing"),
+    # transformers 5.2x renamed it activation_checkpointing; GRPOConfig's default of the old name is True
+    "gradient_checkpointing": tuple(checkpointing_arguments(False)),
     "dtype": ("bf16", "fp16"),
     "device": ("use_cpu",),
     "lr": ("learning_rate",),
@@ -113,6 +114,11 @@ COUNTERPARTS = {
     "warmup_steps": ("warmup_steps",),
     "lr_schedule": ("lr_scheduler_type",),
     "progress": ("disable_tqdm",),
+    "rollout": ("use_vllm", "vllm_mode"),  # both sample with their transformers loops here: hf / use_vllm=False
+    **{name: (name,) for name in (
+        "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
+        "vllm_importance_sampling_correction", "vllm_importance_sampling_mode", "vllm_importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max")},
     **{f"loss.{name}": (name,) for name in (
         "loss_type", "beta", "epsilon", "epsilon_high", "delta", "importance_sampling_level", "use_bias_correction_kl",
         "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg",
@@ -155,6 +161,7 @@ NOT_MAPPED = {
     "loss.temperature": "set by grpo-fast's trainer from TrainConfig.temperature, which maps",
     "loss.max_completion_length": "set by grpo-fast's trainer from TrainConfig.max_new_tokens, which maps",
     "loss.softcap": "the model's final_logit_softcapping, read by both from the same model",
+    "vllm_kv_cache_mib": "vllm only (TRL sizes vLLM's memory by vllm_gpu_memory_utilization alone)",
 }
 
 # GRPOConfig fields without an option of ours whose TRL default is not what grpo-fast does
@@ -183,6 +190,9 @@ def trl_args(cfg, output_dir: str) -> dict:
         raise ValueError(f"{rows} completions per step do not split into micro-batches of {cfg.micro_batch_size}")
     if cfg.device != "cpu":
         raise ValueError(f"bench_peer: both trainers run on the CPU (TRL: use_cpu=True); got device={cfg.device!r}")
+    if cfg.rollout not in ("auto", "hf"):
+        raise ValueError(f"bench_peer: both trainers sample with their own transformers loops (rollout hf, TRL's "
+                         f"use_vllm=False); got rollout={cfg.rollout!r}")
     dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     accumulation = rows // cfg.micro_batch_size
     loss = cfg.loss
@@ -192,7 +202,7 @@ def trl_args(cfg, output_dir: str) -> dict:
         gradient_accumulation_steps=accumulation, steps_per_generation=accumulation, num_iterations=cfg.mu,
         max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
         scale_rewards=cfg.scale_rewards, reward_weights=list(cfg.reward_weights) or [1.0] * len(cfg.rewards),
-        activation_checkpointing=cfg.gradient_checkpointing, gradient_checkpointing=cfg.gradient_checkpointing,
+        **checkpointing_arguments(cfg.gradient_checkpointing),
         bf16=dtype == "bfloat16", fp16=dtype == "float16", use_cpu=True,
         learning_rate=cfg.lr or (TINY_LR if cfg.model == "tiny" else MODEL_LR), optim=cfg.optim,
         weight_decay=cfg.weight_decay,
@@ -206,9 +216,16 @@ def trl_args(cfg, output_dir: str) -> dict:
         vespo_k_pos=loss.vespo_k_pos, vespo_lambda_pos=loss.vespo_lambda_pos, vespo_k_neg=loss.vespo_k_neg,
         vespo_lambda_neg=loss.vespo_lambda_neg, top_entropy_quantile=loss.top_entropy_quantile,
         entropy_coef=loss.entropy_coef,
+        use_vllm=False, vllm_mode="colocate", vllm_gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+        vllm_max_model_length=cfg.vllm_max_model_length, vllm_tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+        vllm_enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+        vllm_importance_sampling_correction=cfg.vllm_importance_sampling_correction,
+        vllm_importance_sampling_mode=cfg.vllm_importance_sampling_mode,
+        vllm_importance_sampling_clip_min=cfg.vllm_importance_sampling_clip_min,
+        vllm_importance_sampling_clip_max=cfg.vllm_importance_sampling_clip_max,
         **TRL_PINNED,
-        # bench plumbing: every step logged, nothing saved, no vLLM, no workers
-        use_vllm=False, logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0,
+        # bench plumbing: every step logged, nothing saved, no workers
+        logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0,
     )
 
 

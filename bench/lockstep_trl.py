@@ -246,7 +246,7 @@ def replay_grpo_fast(run, trl_steps: list[Step]) -> list[Step]:
     positions = DecoderPositions(run.model)
     current: dict = {}
 
-    def injected_rollout(run_, records, group_size, params, first_chunk=0):
+    def injected_rollout(run_, records, group_size, params, first_chunk=0, engine=None):
         t = current["trl"].tensors
         # grpo-fast's own prompt encoding and generation positions, recorded next to TRL's
         ids, mask = encode_prompts(run_, records)

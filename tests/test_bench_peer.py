@@ -70,6 +70,10 @@ OFF_DEFAULT = {
     "loss.use_bias_correction_kl": "false", "loss.sapo_temperature_pos": "0.9", "loss.sapo_temperature_neg": "1.1",
     "loss.vespo_k_pos": "2.5", "loss.vespo_lambda_pos": "3.5", "loss.vespo_k_neg": "3.5",
     "loss.vespo_lambda_neg": "2.5", "loss.top_entropy_quantile": "0.8", "loss.entropy_coef": "0.01",
+    "vllm_gpu_memory_utilization": "0.5", "vllm_max_model_length": "48", "vllm_tensor_parallel_size": "2",
+    "vllm_enable_sleep_mode": "true", "vllm_importance_sampling_correction": "false",
+    "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": "0.5",
+    "vllm_importance_sampling_clip_max": "2.0",
 }
 
 
@@ -108,7 +112,7 @@ def test_learning_rate_schedule_is_transformers(schedule):
     k < warmup uses k / warmup of the learning rate, the first update lr 0."""
     from transformers import get_scheduler
 
-    from grpo_fast.train.trainer import lr_scheduler
+    from grpo_fast.train.model import lr_scheduler
 
     cfg = bench_peer.default_config(20, 0, "unused", warmup_steps=4, lr_schedule=schedule)
 
@@ -178,7 +182,8 @@ def test_trl_config_matches_ours(trl_trainer):
         "warm-up steps": (cfg.warmup_steps, args.warmup_steps),
         "schedule after warm-up": (cfg.lr_schedule, SCHEDULES.get(getattr(args.lr_scheduler_type, "value", None))),
         "bias-corrected KL": (cfg.loss.use_bias_correction_kl, args.use_bias_correction_kl),
-        "gradient checkpointing": (cfg.gradient_checkpointing, args.activation_checkpointing),
+        "gradient checkpointing": (cfg.gradient_checkpointing,
+                                   getattr(args, "activation_checkpointing", args.gradient_checkpointing)),
         "dropout off": (cfg.disable_dropout, args.disable_dropout),
         "optimizer updates": (cfg.steps * cfg.mu, args.max_steps),
         "seed": (cfg.seed, args.seed),
@@ -230,7 +235,7 @@ def test_paired_runs_share_their_random_stream(tmp_path, capsys):
     step of a run whose rewards are not all 0 (a task and a seed where some groups score)."""
     out = tmp_path / "paired.csv"
     options = {**TINY, "dataset": "builtin:median", "rewards": "exact", "prompts_per_step": "8", "group_size": "8"}
-    rc = bench_peer.main(["--steps", "6", "--seeds", "1", "--paired", "--out", str(out), "--set",
+    rc = bench_peer.main(["--steps", "6", "--seeds", "0", "--paired", "--out", str(out), "--set",
                           *(f"{k}={v}" for k, v in options.items())])
     assert rc == 0, capsys.readouterr().out
     with open(bench_peer.curve_path(out), newline="") as f:

@@ -1,4 +1,4 @@
-"""The trainer's learning-rate schedule (``trainer.lr_scheduler``: ``transformers.get_scheduler``'s constant and cosine
+"""The trainer's learning-rate schedule (``model.lr_scheduler``: ``transformers.get_scheduler``'s constant and cosine
 schedules, grpo-fast's own linear factor) gives, update after update, exactly the rates of the formula the trainer has
 always used: linear warm-up from lr 0, then constant, linear or cosine to 0. Every schedule, every warm-up (0, shorter
 than, as long as and longer than the run), every update and the rate left after the last one (a final checkpoint keeps
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.trainer import lr_scheduler
+from grpo_fast.train.model import lr_scheduler
 
 SCHEDULES = ("constant", "linear", "cosine")
 

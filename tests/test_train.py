@@ -16,6 +16,7 @@ from grpo_fast.testing import assert_close_rule
 from grpo_fast.train import rewards as rewards_module
 from grpo_fast.train import train
 from grpo_fast.train import trainer as trainer_module
+from grpo_fast.train.engines import engine_of
 from grpo_fast.train.evaluation import evaluate
 from grpo_fast.train.forward import position_ids_from_mask
 from grpo_fast.train.metrics import read_steps
@@ -75,7 +76,8 @@ def _check_updates_against_the_reference(monkeypatch) -> tuple[list, list]:
     expected, scored = [], []
     real_update, real_score = trainer_module.policy_update, trainer_module.score
 
-    def checked_update(run, ro, advantages, old_logps, ref_logps):
+    def checked_update(run, ro, advantages, old_logps, ref_logps, sampling_ratio=None):
+        assert sampling_ratio is None  # the hf engine: no off-policy correction
         expected.append([_reference_update(run, ro, advantages, old_logps, ref_logps, dtype)
                          for dtype in (torch.float32, torch.float64)])
         return real_update(run, ro, advantages, old_logps, ref_logps)
@@ -146,7 +148,8 @@ def _one_generation(tmp_path, **overrides):
     config = small_config(tmp_path, **overrides)
     run = setup(config)
     records = run.sampler.next_batch()
-    ro, completions = rollout(run, records, config.group_size, SamplingParams(config.max_new_tokens))
+    ro, completions = rollout(run, records, config.group_size, SamplingParams(config.max_new_tokens),
+                              engine=engine_of(run))
     rewards = score(run, records, completions, config.group_size)
     adv = group_advantages(rewards, group_size=config.group_size).advantages
     return run, ro, adv
@@ -314,7 +317,7 @@ def test_too_long_prompt_names_the_option(tmp_path):
     run = setup(small_config(tmp_path))
     run.config.max_prompt_length = 4
     with pytest.raises(ValueError, match="TrainConfig.max_prompt_length: a prompt has"):
-        rollout(run, run.sampler.records[:2], 2, SamplingParams(2))
+        rollout(run, run.sampler.records[:2], 2, SamplingParams(2), engine=engine_of(run))
 
 
 def test_a_new_run_does_not_overwrite_an_earlier_one(tmp_path):

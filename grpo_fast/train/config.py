@@ -116,6 +116,30 @@ class TrainConfig:
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
     top_k: int = _f(0, "top-k sampling (0: off)")
     scale_rewards: str = _f("group", "advantage scaling: group (TRL default), batch, none")
+    # rollout engine
+    rollout: str = _f("auto", "the engine that samples completions: hf (grpo-fast's transformers loop on the policy "
+                      "itself), vllm (vllm.LLM in this process, TRL's vllm_mode='colocate'; weights pushed after "
+                      "every optimizer update), auto (vllm on CUDA when vLLM is installed, else hf)")
+    vllm_gpu_memory_utilization: float = _f(0.3, "vllm: the fraction of GPU memory the engine may take for weights "
+                                            "and KV cache (TRL's default; ignored when vllm_kv_cache_mib is set)")
+    vllm_kv_cache_mib: int | None = _f(None, "vllm: the KV cache in MiB (None: on CUDA, vllm_gpu_memory_utilization "
+                                       "decides; on a CPU, what one step's rows need at full length, "
+                                       "prompts_per_step x group_size x vllm_max_model_length tokens, since vLLM's "
+                                       "own CPU default reserves most of host memory)")
+    vllm_max_model_length: int | None = _f(None, "vllm: the longest prompt + completion (None: max_prompt_length + "
+                                           "max_new_tokens, capped at the model's context)")
+    vllm_tensor_parallel_size: int = _f(1, "vllm: GPUs the engine shards each model over (TRL's "
+                                        "vllm_tensor_parallel_size)")
+    vllm_enable_sleep_mode: bool = _f(False, "vllm: free the engine's GPU memory (weights and KV cache) during the "
+                                      "policy update and take it back before generating (CUDA only)")
+    vllm_importance_sampling_correction: bool = _f(True, "vllm: weight each token's loss by exp(trainer's old "
+                                                   "log-prob - vLLM's sampling log-prob), the old log-probs "
+                                                   "recomputed by the trainer (TRL's default)")
+    vllm_importance_sampling_mode: str = _f("sequence_mask", "token_truncate, token_mask, sequence_truncate or "
+                                            "sequence_mask (TRL's default): a ratio per token or per sequence (the "
+                                            "sum of the differences), clamped to the bounds or zeroed outside them")
+    vllm_importance_sampling_clip_min: float | None = _f(None, "lower bound of the ratio (None: none)")
+    vllm_importance_sampling_clip_max: float | None = _f(3.0, "upper bound of the ratio (None: none)")
     loss: GRPOLossConfig = _f(DEFAULT_LOSS, "the GRPO loss (README: Semantics); set its fields with "
                               "--loss.NAME. beta defaults to 0.04 (the GRPO paper's KL weight) rather than TRL's 0.0")
     # optimisation
@@ -161,6 +185,27 @@ class TrainConfig:
                 )
         self.validate()
 
+    def _validate_vllm(self):
+        if not (isinstance(self.vllm_gpu_memory_utilization, (int, float)) and 0 < self.vllm_gpu_memory_utilization <= 1):
+            raise ValueError("TrainConfig.vllm_gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.vllm_gpu_memory_utilization!r}")
+        for name in ("vllm_kv_cache_mib", "vllm_max_model_length", "vllm_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"TrainConfig.{name} must be an int >= 1{' or None' if name != 'vllm_tensor_parallel_size' else ''}, got {value!r}")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        for name, value in (("vllm_importance_sampling_clip_min", low), ("vllm_importance_sampling_clip_max", high)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"TrainConfig.{name} must be a number >= 0 or None, got {value!r}")
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"TrainConfig.vllm_importance_sampling_clip_min ({low}) must be <= "
+                             f"vllm_importance_sampling_clip_max ({high})")
+        if (self.rollout == "vllm" and self.vllm_importance_sampling_correction and self.loss.loss_type == "vespo"
+                and self.vllm_importance_sampling_mode.startswith("sequence")):
+            raise ValueError("TrainConfig.vllm_importance_sampling_mode: vespo folds the ratio into its own sequence "
+                             "weight and needs token_truncate or token_mask (as TRL), got "
+                             f"{self.vllm_importance_sampling_mode!r}")
+
     def validate(self):
         choices = {
             "dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -172,6 +217,8 @@ class TrainConfig:
             "lr_schedule": ("constant", "linear", "cosine"),
             "optim": OPTIMIZERS,
             "bnb_4bit_quant_type": ("nf4", "fp4"),
+            "rollout": ("auto", "hf", "vllm"),
+            "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -194,6 +241,7 @@ class TrainConfig:
         if self.shared_prefix == "on" and self.micro_batch_size % self.group_size:
             raise ValueError(f"TrainConfig.shared_prefix 'on' needs whole groups in every micro-batch: micro_batch_size "
                              f"must be a multiple of group_size {self.group_size}, got {self.micro_batch_size}")
+        self._validate_vllm()
         if self.group_size < 2:
             raise ValueError(f"TrainConfig.group_size must be >= 2 (advantages compare a group's completions), "
                              f"got {self.group_size}")

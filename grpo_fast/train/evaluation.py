@@ -40,10 +40,11 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
     before/after evaluation), or ``samples`` completions per prompt drawn with ``params``. ``scores``, when given,
     receives one ``[samples]`` tensor of weighted rewards per prompt this rank scored, in order, NaN for a completion
     no function scored (``grpo-fast eval``'s pass@k). ``run`` is the trainer's ``Run``, ``params`` a
-    ``SamplingParams``; completions are sampled and scored as in training (``rollout.rollout``, ``rewards.score``)."""
+    ``SamplingParams``; completions are sampled and scored as in training (``rollout.rollout``, ``rewards.score``), by
+    grpo-fast's own sampler on the policy whatever the run's rollout engine."""
     from grpo_fast.train import distributed as dist_
     from grpo_fast.train.rewards import score, weighted_reward
-    from grpo_fast.train.rollout import SamplingParams, rollout
+    from grpo_fast.train.rollout import HFEngine, SamplingParams, rollout
 
     if not run.eval_records:
         return None
@@ -57,8 +58,9 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
     for i in range(calls):
         part = mine[i * chunk : (i + 1) * chunk]
         # a surplus call generates, unscored; sampling seeds differ per call and rank
+        # always on the policy itself (hf): held-out scores compare across rollout engines
         _, completions = rollout(run, part or run.eval_records[:1], samples, params,
-                                 first_chunk=world.rank * calls + i)
+                                 first_chunk=world.rank * calls + i, engine=HFEngine(run))
         if part:
             per_function = score(run, part, completions, samples)
             rewards = weighted_reward(run, per_function)

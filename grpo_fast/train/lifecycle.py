@@ -24,6 +24,7 @@ from grpo_fast.train.export import MODEL_DIR, base_model_path, full_state_dict, 
 from grpo_fast.train.metrics import MetricsLog, plot_metrics, read_steps
 from grpo_fast.train.model import load_trained_state, trained_state
 from grpo_fast.train.rewards import RewardError
+from grpo_fast.train.engines import engine_of
 from grpo_fast.train.trainer import Run, setup, train_step
 
 logger = logging.getLogger("grpo_fast.train")
@@ -77,6 +78,7 @@ def prepare(config: TrainConfig) -> Prepared:
     run = setup(config)
     main = run.world.is_main  # only rank 0 writes the metrics, the config and single-file checkpoints
     resumed = config.resume and load_checkpoint(run, ckpt_dir)
+    engine = engine_of(run)  # built now, from the resumed weights when resuming; logs which engine runs
     eval_before = None if resumed else evaluate(run)
     resolved = config.to_dict()
     log = None
@@ -90,7 +92,7 @@ def prepare(config: TrainConfig) -> Prepared:
         if resumed:
             eval_before = log.header.get("eval_before")
         else:
-            log.write_header({"eval_before": eval_before, "config": resolved})
+            log.write_header({"eval_before": eval_before, "config": resolved, "rollout": engine.name})
     dist_.barrier(run.world)
     return Prepared(run, log, eval_before, out_dir, started)
 
@@ -139,6 +141,9 @@ def fit(prepared: Prepared) -> Summary:
             run.step, newest, clean=False) from None
     finally:
         bar.close()
+        if run.engine is not None:  # the evaluation decodes with the policy itself
+            run.engine.close()
+            run.engine = None
     try:
         eval_after = evaluate(run)
     except KeyboardInterrupt:
@@ -296,7 +301,8 @@ def _save_before_failed_step(run: Run, ckpt_dir: Path, sampler_state: dict, rng_
 # options a resumed run may change; any other difference from the checkpoint's config is refused
 RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "keep_checkpoints", "resume",
                      "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl",
-                     "shared_prefix", "merge_lora"}
+                     "shared_prefix", "merge_lora", "vllm_gpu_memory_utilization", "vllm_kv_cache_mib",
+                     "vllm_enable_sleep_mode"}
 
 
 def load_checkpoint(run: Run, directory: Path) -> bool:

@@ -199,11 +199,12 @@ def generate(
 # ------------------------------------------------------------------------------------------------ a run's rollout
 
 
-def rollout(run, records: list[dict], group_size: int, params: SamplingParams,
-            first_chunk: int = 0) -> tuple[Rollout, list[str]]:
-    """Samples ``group_size`` completions per record, ``generation_prompts`` prompts at a time (their KV caches are
-    what bounds generation memory); chunk ``i`` samples with ``sampling_generator(first_chunk + i)``. ``run``: the
-    trainer's ``Run``; returns the rollout and the decoded completions."""
+def rollout(run, records: list[dict], group_size: int, params: SamplingParams, first_chunk: int = 0, *,
+            engine) -> tuple[Rollout, list[str]]:
+    """Samples ``group_size`` completions per record with ``engine`` (the run's is ``engines.engine_of(run)``),
+    ``generation_prompts`` prompts at a time (their KV caches are what bounds generation memory); chunk ``i`` samples
+    with seed ``sampling_seed(seed, step, first_chunk + i)``. ``run``: the trainer's ``Run``; returns the rollout and
+    the decoded completions."""
     if dist_.inner_model(run.policy) is not run.model:  # e.g. run.model replaced without its wrapper
         raise RuntimeError("Run.policy wraps another model than Run.model; replace both (distributed.wrap)")
     chunk = run.config.generation_prompts or len(records)
@@ -211,10 +212,9 @@ def rollout(run, records: list[dict], group_size: int, params: SamplingParams,
     parts = []
     for i, start in enumerate(range(0, len(records), chunk)):
         prompt_ids, prompt_mask = encode_prompts(run, records[start : start + chunk])
-        with torch.no_grad(), autocast(run.device, run.dtype):  # no_grad outside DDP's forward: no backward follows
-            parts.append(run.policy(generate, prompt_ids, prompt_mask, group_size, params, eos_token_id=eos,
-                                    pad_token_id=run.tokenizer.pad_token_id,
-                                    generator=sampling_generator(run, first_chunk + i)))
+        parts.append(engine.generate(prompt_ids, prompt_mask, group_size, params, eos_token_id=eos,
+                                     pad_token_id=run.tokenizer.pad_token_id,
+                                     seed=sampling_seed(run.config.seed, run.step, first_chunk + i)))
     result = concat_rollouts(parts, run.tokenizer.pad_token_id)
     completions = run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
     return result, completions
@@ -255,7 +255,36 @@ def sampling_seed(seed: int, step: int, chunk_index: int) -> int:
     return int.from_bytes(digest, "little") % (2**63)
 
 
-def sampling_generator(run, chunk_index: int) -> torch.Generator:
-    """The sampling RNG of one prompt chunk: seeded by (seed, step, chunk), so a resumed run or a run on another
-    number of processes samples the same completions for the same prompts."""
-    return torch.Generator(device=run.device).manual_seed(sampling_seed(run.config.seed, run.step, chunk_index))
+# ------------------------------------------------------------------------------------------------ engines
+# What the trainer asks of a rollout engine: ``generate(prompt_ids, prompt_mask, group_size, params, *, eos_token_id,
+# pad_token_id, seed) -> Rollout`` (rows grouped by prompt, the layout of :class:`Rollout`), ``update_weights(model)``
+# (take the policy's current weights), ``sleep()`` (free memory during the policy update), ``close()``; ``name``,
+# ``startup_s``, ``last_sync_s`` and ``cached_prompt_tokens`` for the log and the metrics.
+
+
+class HFEngine:
+    """grpo-fast's own sampler (:func:`generate`) on the policy itself: nothing to push, nothing to free."""
+
+    name = "hf"
+    startup_s = last_sync_s = 0.0
+    cached_prompt_tokens = 0
+
+    def __init__(self, run):
+        self.run = run
+
+    def generate(self, prompt_ids, prompt_mask, group_size: int, params: SamplingParams, *, eos_token_id,
+                 pad_token_id: int, seed: int) -> Rollout:
+        run = self.run
+        generator = torch.Generator(device=run.device).manual_seed(seed)
+        with torch.no_grad(), autocast(run.device, run.dtype):  # no_grad outside DDP's forward: no backward follows
+            return run.policy(generate, prompt_ids, prompt_mask, group_size, params, eos_token_id=eos_token_id,
+                              pad_token_id=pad_token_id, generator=generator)
+
+    def update_weights(self, model) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

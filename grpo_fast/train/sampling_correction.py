@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from grpo_fast.train import distributed as dist_
+
 MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
@@ -69,4 +71,20 @@ def importance_sampling_ratio(old_logps: torch.Tensor, sampling_logps: torch.Ten
         "sampling/importance_sampling_ratio/mean": float(flat.mean()) if flat.numel() else 0.0,
         "sampling/importance_sampling_ratio/max": float(flat.max()) if flat.numel() else 0.0,
     }
+    return ratio, metrics
+
+
+def run_correction(run, ro, old_logps) -> tuple[torch.Tensor, dict]:
+    """The trainer's correction of a rollout (``run``: the trainer's ``Run``): :func:`importance_sampling_ratio` with
+    ``run.config``'s options, and TRL's five metrics over every rank's completions (means averaged over the ranks, as
+    TRL does; min and max over all of them)."""
+    cfg = run.config
+    ratio, metrics = importance_sampling_ratio(old_logps, ro.sampling_logps, ro.completion_mask,
+                                               cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_min,
+                                               cfg.vllm_importance_sampling_clip_max)
+    if run.world.distributed:
+        names = list(metrics)
+        rows = dist_.gather_rows(torch.tensor([[metrics[k] for k in names]], device=run.device), run.world)
+        reduce = {"mean": torch.mean, "max": torch.max, "min": torch.min}
+        metrics = {k: float(reduce[k.rsplit("/", 1)[1]](rows[:, i])) for i, k in enumerate(names)}
     return ratio, metrics

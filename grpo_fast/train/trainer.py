@@ -26,19 +26,19 @@ from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train import distributed as dist_
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.data import PromptSampler, check_prompts, load_located_records
+from grpo_fast.train.engines import engine_of
 from grpo_fast.train.forward import completion_hidden, head_of, unwrap
 from grpo_fast.train.model import (attach_lora, autocast, check_head, frozen_copy, load_model_and_tokenizer,
-                                   make_optimizer, resolve_device, resolve_dtype)
+                                   lr_scheduler, make_optimizer, resolve_device, resolve_dtype)
 from grpo_fast.train.rewards import load_reward, reward_metrics, reward_name, score, weighted_reward
 from grpo_fast.train.rollout import Rollout, SamplingParams, rollout
+from grpo_fast.train.sampling_correction import run_correction
 from grpo_fast.train.tasks import TASK_SIZE, builtin_records
 
 logger = logging.getLogger("grpo_fast.train")
 
 TINY_LR, MODEL_LR = 5e-4, 1e-6
 SHARED_PREFIX_MIN_SAVING = 1.3  # auto mode shares the prompt when it cuts the tokens through the model this much
-# TrainConfig.lr_schedule -> transformers' scheduler name (linear: lr_scheduler's own factor)
-LR_SCHEDULERS = {"constant": "constant_with_warmup", "cosine": "cosine"}
 
 
 @dataclass
@@ -65,6 +65,7 @@ class Run:
     shared_prefix_active: bool = False  # this step's training forwards use it
     step: int = 0
     skipped_updates: int = 0
+    engine: object | None = None  # the rollout engine (rollout.engine_of), built at the first generation
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -80,8 +81,9 @@ def train_step(run: Run) -> dict:
     params = SamplingParams(cfg.max_new_tokens, cfg.temperature, cfg.top_p, cfg.top_k)
     chunk = cfg.generation_prompts or len(records)
     ro, completions = rollout(run, records, cfg.group_size, params,
-                              first_chunk=world.rank * math.ceil(len(records) / chunk))
+                              first_chunk=world.rank * math.ceil(len(records) / chunk), engine=engine_of(run))
     t_gen = time.perf_counter() - t0
+    run.engine.sleep()  # vllm with sleep mode: its memory is the policy update's until the next generation
     token_metrics = plan_shared_prefix(run, ro)
     # advantages and reward metrics on the global batch (batch scaling needs it), identical on every rank
     rewards = dist_.gather_rows(score(run, records, completions, cfg.group_size).to(run.device), world)
@@ -89,14 +91,18 @@ def train_step(run: Run) -> dict:
                            reward_weights=run.reward_weights.to(run.device))
     n_local = ro.completion_ids.shape[0]
     advantages = adv.advantages[world.rank * n_local : (world.rank + 1) * n_local]
-    old_logps = logprobs_of(run, run.policy, ro) if cfg.mu > 1 else None
+    correct = run.engine.name == "vllm" and cfg.vllm_importance_sampling_correction  # TRL's off-policy correction
+    old_logps = logprobs_of(run, run.policy, ro) if cfg.mu > 1 or correct else None
     ref_logps = reference_logprobs(run, ro) if run.loss_config.beta != 0.0 else None
-    sums: dict[str, float] = {}
-    if (cfg.mu > 1 and old_logps is None) or (run.loss_config.beta != 0.0 and ref_logps is None):
+    ratio, sums = None, {}
+    if ((cfg.mu > 1 or correct) and old_logps is None) or (run.loss_config.beta != 0.0 and ref_logps is None):
         _count_skip(run, "non-finite hidden states in the old or reference pass")
     else:
+        if correct:
+            ratio, sampling_metrics = run_correction(run, ro, old_logps)
+            sums.update(sampling_metrics)
         for _ in range(cfg.mu):
-            for k, v in policy_update(run, ro, advantages, old_logps, ref_logps).items():
+            for k, v in policy_update(run, ro, advantages, old_logps, ref_logps, ratio).items():
                 _accumulate(sums, k, v / cfg.mu)
     run.step += 1
     combined = weighted_reward(run, rewards.cpu())
@@ -113,12 +119,14 @@ def train_step(run: Run) -> dict:
         **sums,
         **token_metrics,
         "skipped_updates": run.skipped_updates,
+        "rollout/cached_prompt_tokens": float(run.engine.cached_prompt_tokens),
         "time_generate_s": t_gen,
+        "time_sync_s": run.engine.last_sync_s,
         "time_step_s": time.perf_counter() - t0,
     }
 
 
-def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps) -> dict:
+def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps, sampling_ratio=None) -> dict:
     """One optimizer update over the whole generation (gradient accumulation over micro-batches; in a distributed
     run over every rank's micro-batches, the gradients reduced on the last one).
 
@@ -137,7 +145,8 @@ def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps) -> di
     for i, (rows, pcols, tcols) in enumerate(batches):
         with dist_.gradient_sync(run.policy, sync=i == len(batches) - 1):
             loss, out, share = run.policy(_micro_batch_loss, run, ro, rows, pcols, tcols, advantages, old_logps,
-                                          ref_logps, total_rows, total_tokens, len(batches) * world.size)
+                                          ref_logps, sampling_ratio, total_rows, total_tokens,
+                                          len(batches) * world.size)
             # every rank's loss is its part of the global loss; DDP and FSDP2 average gradients over the ranks
             (loss * world.size).backward()
         if out is None or not torch.isfinite(loss):
@@ -274,7 +283,7 @@ def micro_batch_config(config: GRPOLossConfig, weight: float, token_weight: floa
 
 
 def _micro_batch_loss(model, run: Run, ro: Rollout, rows, pcols, tcols, advantages, old_logps, ref_logps,
-                      total_rows: float, total_tokens: float, micro_batches: int):
+                      sampling_ratio, total_rows: float, total_tokens: float, micro_batches: int):
     """The micro-batch's weighted share of the generation's loss and its ``LossOutput``; runs inside the policy's
     forward. Non-finite hidden states give a NaN loss that reaches every weight (and no output), so the gradients
     turn non-finite on every rank together and all of them skip the update."""
@@ -290,6 +299,8 @@ def _micro_batch_loss(model, run: Run, ro: Rollout, rows, pcols, tcols, advantag
         hidden, weight, ro.completion_ids[rows, tcols], advantages[rows], mask,
         old_logps=None if old_logps is None else old_logps[rows, tcols],
         ref_logps=None if ref_logps is None else ref_logps[rows, tcols],
+        sampling_ratio=None if sampling_ratio is None else sampling_ratio[rows, tcols if sampling_ratio.shape[1] > 1
+                                                                          else slice(None)],
         num_items_in_batch=total_tokens, bias=bias, impl=run.config.impl,
         config=micro_batch_config(run.loss_config, scale, token_weight),
     )
@@ -396,27 +407,6 @@ def load_datasets(config: TrainConfig, tokenizer=None) -> tuple[list[dict], list
                       max_prompt_length=config.max_prompt_length, system_prompt=config.system_prompt,
                       count_tokens=len if config.model == "tiny" else None)  # its tokenizer: one token a character
     return [r for _, r in train], [r for _, r in evaluation]
-
-
-def lr_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig, total_updates: int):
-    """The learning-rate schedule of ``total_updates`` optimizer updates: ``transformers.get_scheduler``'s (TRL's
-    ``lr_scheduler_type``), so update ``k < warmup_steps`` (counted from 0) uses ``k / warmup_steps`` of the rate (the
-    first update lr 0) and update ``warmup_steps`` the full one. The linear decay is grpo-fast's own factor ``1 - (k -
-    warmup) / (total - warmup)``, as it always was: transformers' ``(total - k) / (total - warmup)`` differs from it in
-    the last bit, and gives 0, not 1, at ``k == warmup_steps == total`` (the rate a final checkpoint keeps)."""
-    from transformers import get_scheduler
-
-    warmup = config.warmup_steps
-    if config.lr_schedule != "linear":
-        return get_scheduler(LR_SCHEDULERS[config.lr_schedule], optimizer, num_warmup_steps=warmup,
-                             num_training_steps=total_updates)
-
-    def factor(update: int) -> float:
-        if update < warmup:
-            return update / warmup
-        return 1.0 - min(1.0, (update - warmup) / max(1, total_updates - warmup))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def shared_prefix_allowed(config: TrainConfig, models: list) -> bool:
