@@ -113,3 +113,36 @@ def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path):
     wa = load_file(tmp_path / "whole" / "run" / "model" / "model.safetensors")
     wb = load_file(tmp_path / "split" / "run" / "model" / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+DIST_ARGS = ["--rollout", "vllm", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4",
+             "--micro-batch-size", "8", "--generation-prompts", "2", "--eval-size", "8", "--save-every", "0",
+             "--progress", "false", "--plot", "false", "--lr", "5e-2"]
+
+
+def _cli_train(out, nproc: int, *extra: str) -> dict:
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+    from train_helpers import REPO
+
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+                if nproc > 1 else [sys.executable])
+    proc = subprocess.run([*launcher, "-m", "grpo_fast", "train", *DIST_ARGS, "--output-dir", str(out), *extra],
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]  # vLLM's shutdown must not trip over the group
+    return load_file(out / "model" / "model.safetensors")
+
+
+@pytest.mark.slow
+def test_two_processes_with_vllm_equal_one_process(tmp_path):
+    """torchrun, 2 CPU processes (gloo), each with its own engine: DDP and FSDP2 (full tensors gathered for the push)
+    train the same weights as one process, to the bit (each rank samples its prompt chunk with that chunk's seed)."""
+    one = _cli_train(tmp_path / "one", 1)
+    for strategy in ("ddp", "fsdp2"):
+        two = _cli_train(tmp_path / strategy, 2, "--distributed", strategy)
+        assert all(torch.equal(one[k], two[k]) for k in one), strategy

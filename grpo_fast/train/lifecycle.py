@@ -141,7 +141,7 @@ def fit(prepared: Prepared) -> Summary:
             run.step, newest, clean=False) from None
     finally:
         bar.close()
-        if run.engine is not None:  # the evaluation decodes with the policy itself
+        if run.engine is not None and not run.world.distributed:  # the evaluation decodes with the policy itself
             run.engine.close()
             run.engine = None
     try:
@@ -157,6 +157,9 @@ def fit(prepared: Prepared) -> Summary:
         log.write_footer({"eval_after": eval_after})
         if config.plot:
             plot_metrics(prepared.out_dir / "metrics.jsonl", prepared.out_dir / "reward_kl.png")
+    if run.engine is not None:  # distributed: vLLM's shutdown takes the process group with it, so only now
+        run.engine.close()
+        run.engine = None
     return Summary(run.step, prepared.eval_before, eval_after, run.skipped_updates, prepared.out_dir,
                    time.perf_counter() - prepared.started)
 

@@ -23,6 +23,7 @@ the fly; the policy is never merged and unmerged, so the trained base does not d
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import time
@@ -90,6 +91,24 @@ def _save_for_engine(model, directory: Path) -> None:
     save_file(state, str(directory / "model.safetensors"))
 
 
+# vLLM warnings that this way of running it always triggers, and why each is harmless
+EXPECTED_WARNINGS = {
+    "vllm.renderers.base": ("Chat template warmup failed",  # no tokenizer in the engine: prompts go in as ids
+                            "Using None for EOS token id"),  # the stop tokens are passed with every request
+    # with VLLM_CPU_OMP_THREADS_BIND=nobind the worker keeps the process's thread count (torch.set_num_threads is
+    # restored once the engine is up)
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),
+    # a reload pushes no rotary buffers, and no head weight when the head is tied (update_weights rebuilds it)
+    "vllm.model_executor.model_loader.reload.layerwise": ("RotaryEmbedding: Failed to load weights",
+                                                          "ParallelLMHead: Failed to load weights"),
+}
+
+
+def _quiet_expected_warnings() -> None:
+    for name, messages in EXPECTED_WARNINGS.items():
+        logging.getLogger(name).addFilter(lambda record, m=messages: not record.getMessage().startswith(m))
+
+
 class VLLMEngine:
     """Samples with ``vllm.LLM`` in this process; see the module docstring."""
 
@@ -107,7 +126,10 @@ class VLLMEngine:
             if enable_sleep_mode:
                 raise ValueError("TrainConfig.vllm_enable_sleep_mode needs a CUDA device (vLLM's CPU backend "
                                  "refuses sleep mode), got vllm_enable_sleep_mode=True on the CPU")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # vLLM's start-up narrative; grpo-fast logs the engine
         from vllm import LLM
+
+        _quiet_expected_warnings()
 
         self.model_config = unwrap(model).config
         self._tmp = tempfile.TemporaryDirectory(prefix="grpo-fast-vllm-")
@@ -115,6 +137,7 @@ class VLLMEngine:
         _save_for_engine(model, Path(self._tmp.name))
         memory = ({"kv_cache_memory_bytes": int(kv_cache_memory_bytes)} if kv_cache_memory_bytes is not None
                   else {"gpu_memory_utilization": gpu_memory_utilization})
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op for the whole process
         self.llm = LLM(
             model=self._tmp.name, skip_tokenizer_init=True, dtype=DTYPES[dtype], seed=seed,
             enforce_eager=cpu if enforce_eager is None else enforce_eager,  # CPU: no 60 s inductor compile
@@ -122,6 +145,7 @@ class VLLMEngine:
             max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
             enable_sleep_mode=enable_sleep_mode, generation_config="vllm", **memory,
         )
+        torch.set_num_threads = set_num_threads  # the trainer's --threads stays the trainer's to set
         self.startup_s = time.perf_counter() - t0
         import vllm
 
@@ -223,6 +247,8 @@ class VLLMEngine:
             self.asleep = False
 
     def close(self) -> None:
+        """Shut the engine down. Under torch.distributed vLLM's shutdown also destroys the default process group:
+        close it only when nothing collective follows (``lifecycle.fit`` does so last)."""
         with contextlib.suppress(Exception):
             del self.llm
         self._tmp.cleanup()
