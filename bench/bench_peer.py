@@ -522,7 +522,9 @@ def main(argv=None) -> int:
     threads = args.threads
     overrides = dict(item.split("=", 1) for item in args.set)
     for seed in args.seeds:  # a bad name or value, or an option TRL cannot reproduce, fails here, not in a child
-        trl_args(default_config(args.steps, seed, "unused", **overrides), "unused")
+        config = default_config(args.steps, seed, "unused", **overrides)
+        if "trl" in args.trainers:
+            trl_args(config, "unused")
     print(f"peer comparison on {harness.device_name('cpu')}, {threads} threads: default task, {args.steps} steps, "
           f"seeds {' '.join(map(str, args.seeds))}{'; ' + ' '.join(args.set) if args.set else ''}; trainers "
           f"{', '.join(args.trainers)}{'; paired (common random numbers)' if args.paired else ''}", flush=True)
