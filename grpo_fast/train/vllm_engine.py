@@ -104,9 +104,15 @@ EXPECTED_WARNINGS = {
 }
 
 
+def _drop_expected(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(EXPECTED_WARNINGS.get(record.name, ()))
+
+
 def _quiet_expected_warnings() -> None:
-    for name, messages in EXPECTED_WARNINGS.items():
-        logging.getLogger(name).addFilter(lambda record, m=messages: not record.getMessage().startswith(m))
+    for name in EXPECTED_WARNINGS:
+        logger = logging.getLogger(name)
+        if _drop_expected not in logger.filters:
+            logger.addFilter(_drop_expected)
 
 
 class VLLMEngine:
@@ -138,14 +144,16 @@ class VLLMEngine:
         memory = ({"kv_cache_memory_bytes": int(kv_cache_memory_bytes)} if kv_cache_memory_bytes is not None
                   else {"gpu_memory_utilization": gpu_memory_utilization})
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op for the whole process
-        self.llm = LLM(
-            model=self._tmp.name, skip_tokenizer_init=True, dtype=DTYPES[dtype], seed=seed,
-            enforce_eager=cpu if enforce_eager is None else enforce_eager,  # CPU: no 60 s inductor compile
-            block_size=BLOCK_SIZE, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-            max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-            enable_sleep_mode=enable_sleep_mode, generation_config="vllm", **memory,
-        )
-        torch.set_num_threads = set_num_threads  # the trainer's --threads stays the trainer's to set
+        try:
+            self.llm = LLM(
+                model=self._tmp.name, skip_tokenizer_init=True, dtype=DTYPES[dtype], seed=seed,
+                enforce_eager=cpu if enforce_eager is None else enforce_eager,  # CPU: no 60 s inductor compile
+                block_size=BLOCK_SIZE, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
+                enable_sleep_mode=enable_sleep_mode, generation_config="vllm", **memory,
+            )
+        finally:
+            torch.set_num_threads = set_num_threads  # the trainer's --threads stays the trainer's to set
         self.startup_s = time.perf_counter() - t0
         import vllm
 
