@@ -1,6 +1,6 @@
-"""The ``vllm`` engine's GPU options: bf16, gpu_memory_utilization, tensor_parallel_size, max_model_len and sleep
-mode (the engine's memory handed to the policy update and taken back before generating). Skipped without CUDA and
-vLLM for CUDA; ``bench/gpu_check.sh`` runs them when a GPU is lent."""
+"""The ``vllm`` engine's GPU options: bf16, gpu_memory_utilization, max_model_len and sleep mode (the engine's memory
+handed to the policy update and taken back before generating). Skipped without CUDA or without vLLM for CUDA: no GPU
+has run them yet (``bench/gpu_check.sh`` installs nothing, and a lent machine starts without vLLM)."""
 
 import pytest
 import torch
@@ -68,17 +68,6 @@ def test_sleep_mode_frees_memory_and_wakes_with_the_new_weights():
         model.cuda()
         engine.update_weights(model)  # wakes the weights first, then writes them
         ro = _sample(engine, 1)
-        torch.testing.assert_close(ro.sampling_logps, recomputed_logps(model, ro), rtol=0, atol=1e-4)
-    finally:
-        engine.close()
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor_parallel_size=2 needs two GPUs")
-def test_tensor_parallel_engine_samples_like_one_gpu():
-    model = tiny_model(TOK, seed=0).cuda().eval()
-    engine = _engine(model, dtype=torch.float32, tensor_parallel_size=2)
-    try:
-        ro = _sample(engine, 0)
         torch.testing.assert_close(ro.sampling_logps, recomputed_logps(model, ro), rtol=0, atol=1e-4)
     finally:
         engine.close()

@@ -71,21 +71,32 @@ def test_a_skipped_sync_is_caught(tmp_path, monkeypatch):
 
 
 def test_correction_reaches_the_loss(tmp_path, monkeypatch):
-    """The ratio the trainer computes is the one grpo_loss gets, sliced per micro-batch."""
-    seen = []
-    real = trainer_module.grpo_loss
+    """The ratio the trainer computes is the one grpo_loss gets, sliced per micro-batch (rows and columns)."""
+    seen, computed = [], []
+    real, real_correction = trainer_module.grpo_loss, trainer_module.run_correction
 
     def recording(*args, **kwargs):
         seen.append(kwargs["sampling_ratio"])
         return real(*args, **kwargs)
 
+    def recorded_correction(run, ro, old_logps):
+        ratio, metrics = real_correction(run, ro, old_logps)
+        # a ratio that is not all ones, so that a slice of the wrong rows or columns shows
+        ratio = ratio * torch.linspace(0.5, 1.5, ratio.numel()).view_as(ratio)
+        computed.append(ratio)
+        return ratio, metrics
+
     monkeypatch.setattr(trainer_module, "grpo_loss", recording)
+    monkeypatch.setattr(trainer_module, "run_correction", recorded_correction)
     config = _vllm_config(tmp_path, steps=1, vllm_importance_sampling_mode="token_truncate",
                           micro_batch_size=4)
     prepared = prepare(config)
     metrics = trainer_module.train_step(prepared.run)
     prepared.run.engine.close()
     assert len(seen) == 4 and all(r is not None and r.shape[0] == 4 for r in seen)
+    whole = computed[0]
+    for i, r in enumerate(seen):  # micro-batch i: rows 4i..4i+3, its own leading columns
+        torch.testing.assert_close(r, whole[4 * i : 4 * i + 4, : r.shape[1]], rtol=0, atol=0)
     assert metrics["sampling/importance_sampling_ratio/min"] > 0.99
     off = _vllm_config(tmp_path / "off", steps=1, vllm_importance_sampling_correction="false", micro_batch_size=4)
     seen.clear()
@@ -146,3 +157,23 @@ def test_two_processes_with_vllm_equal_one_process(tmp_path):
     for strategy in ("ddp", "fsdp2"):
         two = _cli_train(tmp_path / strategy, 2, "--distributed", strategy)
         assert all(torch.equal(one[k], two[k]) for k in one), strategy
+
+
+def test_which_engine_runs(tmp_path):
+    """auto: hf off CUDA and where the vllm engine cannot run; an explicit vllm that cannot run names why."""
+    from grpo_fast.train.engines import resolve_rollout
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    config = small_config(tmp_path)
+    assert resolve_rollout(config, cpu)[0] == "hf"
+    assert resolve_rollout(config, cuda) == ("vllm", "auto: vllm on CUDA")
+    assert resolve_rollout(config, cuda, world_size=2)[0] == "hf"
+    assert resolve_rollout(_vllm_config(tmp_path), cpu) == ("vllm", "asked for")
+    with pytest.raises(ValueError, match="rollout: 'vllm' is not supported under torchrun on GPUs"):
+        resolve_rollout(_vllm_config(tmp_path), cuda, world_size=2)
+    tp = _vllm_config(tmp_path, vllm_tensor_parallel_size="2")
+    with pytest.raises(ValueError, match="vllm_tensor_parallel_size=2"):
+        resolve_rollout(tp, cpu)
+    vespo = _vllm_config(tmp_path, **{"loss.loss_type": "vespo"})
+    with pytest.raises(ValueError, match="vllm_importance_sampling_mode: vespo .* token_truncate or token_mask"):
+        prepare(vespo)

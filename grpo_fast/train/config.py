@@ -123,9 +123,10 @@ class TrainConfig:
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm: the fraction of GPU memory the engine may take for weights "
                                             "and KV cache (TRL's default; ignored when vllm_kv_cache_mib is set)")
     vllm_kv_cache_mib: int | None = _f(None, "vllm: the KV cache in MiB (None: on CUDA, vllm_gpu_memory_utilization "
-                                       "decides; on a CPU, what one step's rows need at full length, "
-                                       "prompts_per_step x group_size x vllm_max_model_length tokens, since vLLM's "
-                                       "own CPU default reserves most of host memory)")
+                                       "decides; on a CPU, what one generation's rows need at full length, "
+                                       "(generation_prompts or prompts_per_step) x group_size x "
+                                       "(vllm_max_model_length + 32) tokens, since vLLM's own CPU default reserves "
+                                       "most of host memory)")
     vllm_max_model_length: int | None = _f(None, "vllm: the longest prompt + completion (None: max_prompt_length + "
                                            "max_new_tokens, capped at the model's context)")
     vllm_tensor_parallel_size: int = _f(1, "vllm: GPUs the engine shards each model over (TRL's "
@@ -200,11 +201,6 @@ class TrainConfig:
         if low is not None and high is not None and low > high:
             raise ValueError(f"TrainConfig.vllm_importance_sampling_clip_min ({low}) must be <= "
                              f"vllm_importance_sampling_clip_max ({high})")
-        if (self.rollout == "vllm" and self.vllm_importance_sampling_correction and self.loss.loss_type == "vespo"
-                and self.vllm_importance_sampling_mode.startswith("sequence")):
-            raise ValueError("TrainConfig.vllm_importance_sampling_mode: vespo folds the ratio into its own sequence "
-                             "weight and needs token_truncate or token_mask (as TRL), got "
-                             f"{self.vllm_importance_sampling_mode!r}")
 
     def validate(self):
         choices = {

@@ -35,7 +35,8 @@ class Rollout:
 
     prompt_ids/prompt_mask: ``[B*G, P]`` left-padded; completion_ids/completion_mask: ``[B*G, T]`` right-padded, the
     EOS token included in the mask; sampling_logps: ``[B*G, T]`` float32, ``log softmax(z / temperature)`` of each
-    sampled token (before top-k/top-p filtering, the distribution the loss's ``temperature`` reproduces).
+    sampled token (the ``hf`` engine: before top-k/top-p filtering, the distribution the loss's ``temperature``
+    reproduces; the ``vllm`` engine: vLLM's processed log-probs, renormalised over the tokens a filter keeps).
     """
 
     prompt_ids: torch.Tensor
@@ -259,7 +260,8 @@ def sampling_seed(seed: int, step: int, chunk_index: int) -> int:
 # What the trainer asks of a rollout engine: ``generate(prompt_ids, prompt_mask, group_size, params, *, eos_token_id,
 # pad_token_id, seed) -> Rollout`` (rows grouped by prompt, the layout of :class:`Rollout`), ``update_weights(model)``
 # (take the policy's current weights), ``sleep()`` (free memory during the policy update), ``close()``; ``name``,
-# ``startup_s``, ``last_sync_s`` and ``cached_prompt_tokens`` for the log and the metrics.
+# ``startup_s``, ``last_sync_s`` and ``cached_prompt_tokens`` for the log and the metrics, ``needs_weights`` (the
+# engine dropped its weights while asleep: push them even without a new update).
 
 
 class HFEngine:
@@ -268,6 +270,7 @@ class HFEngine:
     name = "hf"
     startup_s = last_sync_s = 0.0
     cached_prompt_tokens = 0
+    needs_weights = False
 
     def __init__(self, run):
         self.run = run

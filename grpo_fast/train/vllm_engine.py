@@ -115,6 +115,20 @@ def _quiet_expected_warnings() -> None:
             logger.addFilter(_drop_expected)
 
 
+def _start(LLM, **kwargs):
+    """``LLM(**kwargs)``; a failure names the options that size and shape the engine."""
+    try:
+        return LLM(**kwargs)
+    except Exception as e:
+        raise RuntimeError(
+            f"--rollout vllm: vLLM did not start: {e}. The engine was asked for max_model_len="
+            f"{kwargs['max_model_len']} (--vllm-max-model-length), "
+            + (f"a KV cache of {kwargs['kv_cache_memory_bytes'] / 2**20:.0f} MiB (--vllm-kv-cache-mib)"
+               if "kv_cache_memory_bytes" in kwargs else
+               f"{kwargs['gpu_memory_utilization']} of the GPU (--vllm-gpu-memory-utilization)")
+            + f", dtype {kwargs['dtype']}; --rollout hf samples without vLLM") from e
+
+
 class VLLMEngine:
     """Samples with ``vllm.LLM`` in this process; see the module docstring."""
 
@@ -124,6 +138,10 @@ class VLLMEngine:
                  kv_cache_memory_bytes: int | None = None, gpu_memory_utilization: float = 0.3,
                  tensor_parallel_size: int = 1, enable_sleep_mode: bool = False, enforce_eager: bool | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core runs in this process
+        if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+            raise ValueError("TrainConfig.rollout: the vllm engine runs vLLM in the trainer's process, so it needs "
+                             "VLLM_ENABLE_V1_MULTIPROCESSING=0 (or unset), got "
+                             f"{os.environ['VLLM_ENABLE_V1_MULTIPROCESSING']!r}")
         cpu = not torch.cuda.is_available()
         if cpu:
             # vLLM's CPU worker binds OpenMP threads and then turns torch.set_num_threads into a no-op for the whole
@@ -145,7 +163,7 @@ class VLLMEngine:
                   else {"gpu_memory_utilization": gpu_memory_utilization})
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op for the whole process
         try:
-            self.llm = LLM(
+            self.llm = _start(LLM,
                 model=self._tmp.name, skip_tokenizer_init=True, dtype=DTYPES[dtype], seed=seed,
                 enforce_eager=cpu if enforce_eager is None else enforce_eager,  # CPU: no 60 s inductor compile
                 block_size=BLOCK_SIZE, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
@@ -160,7 +178,7 @@ class VLLMEngine:
         self.version, self.dtype_name = vllm.__version__, DTYPES[dtype]
         self.cached_prompt_tokens = 0
         self.sleep_mode = enable_sleep_mode
-        self.asleep = False
+        self.asleep = self.weights_awake = False
         self.tied = bool(getattr(self.model_config, "tie_word_embeddings", False))
         self.last_sync_s = 0.0
 
@@ -219,8 +237,9 @@ class VLLMEngine:
     def update_weights(self, model) -> None:
         """Push the policy's current weights (see the module docstring); every rank of an FSDP2 run must call it."""
         t0 = time.perf_counter()
-        if self.sleep_mode and self.asleep:
+        if self.sleep_mode and self.asleep and not self.weights_awake:
             self.llm.wake_up(tags=["weights"])  # weights may only be written once their memory is back
+            self.weights_awake = True
         runner = self._runner()
         runner.reload_weights(weights_iterator=list(named_weights(model)))
         if self.tied:
@@ -229,30 +248,25 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.last_sync_s = time.perf_counter() - t0
 
-    def engine_logprobs(self, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
-        """vLLM's log-probs of ``completion_ids`` after ``prompt_ids`` (a prompt-logprobs request at temperature 1):
-        what the engine's weights say, for checking a sync."""
-        from vllm import SamplingParams as VLLMSamplingParams
-
-        out = self.llm.generate([{"prompt_token_ids": prompt_ids + completion_ids}],
-                                VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False,
-                                                   temperature=1.0), use_tqdm=False)[0]
-        rows = out.prompt_logprobs[len(prompt_ids):]
-        return [row[t].logprob for t, row in zip(completion_ids, rows)]
-
     # ---------------------------------------------------------------------------------------------- memory
+
+    @property
+    def needs_weights(self) -> bool:
+        """Asleep at level 2: the weights were dropped and must be pushed again, update or not."""
+        return self.asleep and not self.weights_awake
 
     def sleep(self, level: int = 2) -> None:
         """Free the engine's GPU memory during the policy update (sleep mode only; level 2 drops the weights,
         which the next ``update_weights`` rewrites)."""
         if self.sleep_mode and not self.asleep:
             self.llm.sleep(level=level)
-            self.asleep = True
+            self.asleep, self.weights_awake = True, False
 
     def wake_up(self) -> None:
+        """Take the memory back before generating: the KV cache (the weights woke for their push already)."""
         if self.sleep_mode and self.asleep:
-            self.llm.wake_up()
-            self.asleep = False
+            self.llm.wake_up(tags=["kv_cache"] if self.weights_awake else None)
+            self.asleep = self.weights_awake = False
 
     def close(self) -> None:
         """Shut the engine down. Under torch.distributed vLLM's shutdown also destroys the default process group:
