@@ -246,7 +246,7 @@ def _evaluate(options: EvalOptions) -> dict:
         "top_p": options.top_p, "max_new_tokens": max_new_tokens, "seed": options.seed,
         "pass_threshold": options.pass_threshold,
         # nothing scored: both n/a (None), not 0
-        f"mean@{k}": mean, f"pass@{k}": None if mean is None else float(passed.float().mean()),
+        f"mean@{k}": mean, f"pass@{k}": None if mean is None else int(passed.sum()) / len(passed),
         "per_prompt": [{"prompt": r[options.prompt_column],
                         "rewards": [None if math.isnan(x) else x for x in s.tolist()]}  # unscored: null
                        for r, s in zip(records, per_prompt)],
