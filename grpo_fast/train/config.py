@@ -40,6 +40,8 @@ LOSS_HELP = {
 
 
 DEFAULT_LOSS = GRPOLossConfig(beta=0.04)
+# TRL's vllm_importance_sampling_mode values (grpo_fast.train.sampling_correction computes each)
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # transformers' / TRL's optimizer names (TrainingArguments.optim); the first is TRL's default (torch >= 2.8)
 OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "adamw_8bit", "paged_adamw_8bit", "paged_adamw_32bit")
 
@@ -119,7 +121,8 @@ class TrainConfig:
     # rollout engine
     rollout: str = _f("auto", "the engine that samples completions: hf (grpo-fast's transformers loop on the policy "
                       "itself), vllm (vllm.LLM in this process, TRL's vllm_mode='colocate'; weights pushed after "
-                      "every optimizer update), auto (vllm on CUDA when vLLM is installed, else hf)")
+                      "every optimizer update), auto (vllm on one CUDA process when vLLM is installed and "
+                      "the run is one it supports: no 4-bit base, no tensor parallelism; else hf)")
     vllm_gpu_memory_utilization: float = _f(0.3, "vllm: the fraction of GPU memory the engine may take for weights "
                                             "and KV cache (TRL's default; ignored when vllm_kv_cache_mib is set)")
     vllm_kv_cache_mib: int | None = _f(None, "vllm: the KV cache in MiB (None: on CUDA, vllm_gpu_memory_utilization "
@@ -214,7 +217,7 @@ class TrainConfig:
             "optim": OPTIMIZERS,
             "bnb_4bit_quant_type": ("nf4", "fp4"),
             "rollout": ("auto", "hf", "vllm"),
-            "vllm_importance_sampling_mode": ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+            "vllm_importance_sampling_mode": IMPORTANCE_SAMPLING_MODES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -28,8 +28,9 @@ import math
 import torch
 
 from grpo_fast.train import distributed as dist_
+from grpo_fast.train.config import IMPORTANCE_SAMPLING_MODES
 
-MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+MODES = IMPORTANCE_SAMPLING_MODES
 
 
 def check_mode(mode: str, name: str = "vllm_importance_sampling_mode") -> str:
