@@ -351,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "forward + backward with a random upstream gradient (gradients for hidden and weight), and the "
                     "three bare lm_head GEMMs (logits, d hidden, d weight: 6 N H V FLOPs) in the same run; print "
                     "each next to bench.cost_model's projection for the matching device profile.",
-        epilog="Columns: measured_ms / measured_gemm_ms = measured_ratio (DESIGN.md section 7 aims at 1.25), against "
+        epilog="Columns: measured_ms / measured_gemm_ms = measured_ratio (docs/design.md §7 aims at 1.25), against "
                "projected_ms / projected_gemm_ms = projected_ratio; measured_extra_mib (peak memory beyond inputs, "
                "outputs and gradients) against projected_extra_mib; gemm_e_implied: the fraction of the profile's "
                "dense peak the bare GEMMs reached (the cost model's GEMM e, measured).\n"

@@ -22,7 +22,7 @@ its peak memory is its own and an out-of-memory failure becomes a CSV row with a
 Memory: ``peak_extra_mib`` = peak memory during warm-up and timed steps minus memory once the inputs (hidden,
 weight, targets, mask, advantages, reference log-probs) exist (CPU: peak RSS, CUDA: allocator). It includes the
 gradients the step must return; ``grads_mib`` is their size and ``overhead_mib = peak_extra_mib - grads_mib`` the
-working memory (DESIGN.md §7 bounds that at 64 MiB for grpo-fast). ``tflops`` counts 6 N H V FLOPs (the three lm_head
+working memory (docs/design.md §7 bounds that at 64 MiB for grpo-fast). ``tflops`` counts 6 N H V FLOPs (the three lm_head
 matmuls of forward + backward) per step.
 
 The CSV (default ``bench/results/loss_<device>.csv``) is overwritten by each run and written again after every row,

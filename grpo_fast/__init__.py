@@ -1,6 +1,6 @@
 """grpo-fast: the GRPO loss, per-token log-probs and group advantages straight from hidden states.
 
-Public API (DESIGN.md §3)::
+Public API (docs/design.md §3)::
 
     from grpo_fast import grpo_loss, GRPOLossConfig, group_advantages, fused_logprobs
     from grpo_fast import shared_prefix_forward  # one prompt forward per group (imports transformers on first use)

@@ -1,4 +1,4 @@
-"""Group reward normalisation over arbitrary group ids (TRL 1.16 semantics; DESIGN.md §3-§4).
+"""Group reward normalisation over arbitrary group ids (TRL 1.16 semantics; docs/design.md §3-§4).
 
 The torch path is segmented (``index_add_`` / ``scatter_reduce_`` over group indices): no ``view(-1, G)``, so uneven
 and singleton groups and any ordering of ``group_ids`` are handled; it is what the Triton kernel implements.

@@ -1,4 +1,4 @@
-"""Input validation at the public boundary (DESIGN.md §9): every error names the argument, what was expected and
+"""Input validation at the public boundary (docs/design.md §9): every error names the argument, what was expected and
 what came. Value checks (finiteness, ranges, id ranges) read the data once; they are skipped while torch.compile
 traces."""
 

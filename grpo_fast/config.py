@@ -51,7 +51,7 @@ def _allowed(values) -> str:
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
-    """Options of the GRPO loss. Semantics: DESIGN.md §4 (TRL 1.16 ``GRPOTrainer._compute_loss``).
+    """Options of the GRPO loss. Semantics: docs/design.md §4 (TRL 1.16 ``GRPOTrainer._compute_loss``).
 
     ``epsilon`` is the lower clip (TRL's ``epsilon_low``); ``epsilon_high=None`` means ``epsilon``. For ``cispo``,
     ``epsilon_high`` is the upper cap on the ratio (TRL recommends 5.0). ``temperature`` and ``softcap`` shape the

@@ -1,4 +1,4 @@
-"""The one resolver that picks an implementation for every op (DESIGN.md §6).
+"""The one resolver that picks an implementation for every op (docs/design.md §6).
 
 ``auto`` means ``triton`` for CUDA tensors when the Triton path is available and the GPU is one the kernels are
 compiled and gated for, ``torch`` elsewhere; ``reference`` is only ever chosen explicitly. float64 inputs of the ops

@@ -106,7 +106,7 @@ def grpo_loss(
 
     Equals ``grpo_loss_reference(...)`` (``grpo_fast.reference``), i.e. TRL's loss on
     ``log_softmax(shape(hidden @ weight.T + bias)).gather(target_ids)``; the exact formula per loss type is in
-    DESIGN.md §4.
+    docs/design.md §4.
 
     hidden: ``[B, T, H]`` where ``hidden[:, t]`` predicts ``target_ids[:, t]``; weight: ``[V, H]``; bias: ``[V]``;
     target_ids, completion_mask, old_logps, ref_logps: ``[B, T]``; advantages: ``[B]`` or ``[B, T]``;

@@ -1,6 +1,6 @@
 """Pure-PyTorch references: naive, readable, materialised logits. Ground truth for every test and benchmark.
 
-These follow TRL 1.16 ``GRPOTrainer._compute_loss`` / ``_generate_and_score_completions`` line by line (DESIGN.md §4)
+These follow TRL 1.16 ``GRPOTrainer._compute_loss`` / ``_generate_and_score_completions`` line by line (docs/design.md §4)
 and are never chosen by ``impl="auto"``. Run them in float64 to get the oracle the other paths are held to.
 """
 

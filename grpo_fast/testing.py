@@ -1,4 +1,4 @@
-"""The one tolerance rule every test uses (DESIGN.md §5).
+"""The one tolerance rule every test uses (docs/design.md §5).
 
 ``err(out, out_ref) <= 2 * err(out_pt, out_ref) + ATOL[dtype]`` where ``out_ref`` is the float64 reference,
 ``out_pt`` the same reference run in the dtype under test and ``out`` the implementation under test. Errors are max

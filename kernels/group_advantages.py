@@ -1,4 +1,4 @@
-"""Segmented group statistics and normalised advantages over group ids (TRL 1.16 semantics, DESIGN.md §3-§4).
+"""Segmented group statistics and normalised advantages over group ids (TRL 1.16 semantics, docs/design.md §3-§4).
 
 One program per group walks its rows (the host sorts rows by group once: ``order``, ``offsets``) in BLOCK rows at a
 time: pass 1 counts the scored (non-NaN) values and takes min, max and the largest |value|, from which the group's

@@ -1,6 +1,6 @@
 """GRPO per-token loss, ``d loss / d logp`` and metric sums for every loss type, one program per sequence.
 
-Computes what ``grpo_fast.loss_torch.grpo_loss_terms`` computes (TRL 1.16 semantics, DESIGN.md §4): each program
+Computes what ``grpo_fast.loss_torch.grpo_loss_terms`` computes (TRL 1.16 semantics, docs/design.md §4): each program
 owns one row b of the ``[B, T]`` inputs and walks T in BLOCK_T blocks, in up to three passes:
   1. the row's token count and, for sequence-level importance sampling / VESPO, the sums of log-ratios;
   2. per token: the ratio, the policy term, the KL, the weighted loss, ``d loss / d logp`` (direct part and

@@ -23,7 +23,7 @@ Memory. Temporaries stay within ``scratch_bytes()`` (64 MiB unless ``GRPO_FAST_S
 exception below). The forward's logits buffer takes the budget. With a weight gradient the backward walks the
 vocabulary from the end and keeps its ``dz`` buffer in grad_weight's rows not yet written (wider chunks, no memory);
 the first rows go through a budget-sized buffer. The gathered active rows live in grad_hidden's storage until the
-end. The fp32 ``dh`` accumulator (``4 rows H`` bytes: DESIGN.md §5 accumulates ``dh`` in fp32, and a vocabulary-outer
+end. The fp32 ``dh`` accumulator (``4 rows H`` bytes: docs/design.md §5 accumulates ``dh`` in fp32, and a vocabulary-outer
 sweep holds it for every row) is a temporary when it is at most half the budget; else it lives in the gradients' own
 storage, in grad_hidden's free bytes and then in the last rows of grad_weight, whose ``dW`` is recomputed once the
 accumulator is cast (``backward_layout``: 0.22 NHV more FLOPs at N = 16384, V = 151936). The exception: when those

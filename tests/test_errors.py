@@ -1,4 +1,4 @@
-"""Bad input raises errors that name the argument, what was expected and what came (DESIGN.md §9)."""
+"""Bad input raises errors that name the argument, what was expected and what came (docs/design.md §9)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """``FastGRPOTrainer`` (grpo_fast.integrations.trl) against TRL 1.16's own ``GRPOTrainer``.
 
-Every parity check uses the project's one tolerance rule (``grpo_fast.testing.assert_close_rule``, DESIGN.md §5):
+Every parity check uses the project's one tolerance rule (``grpo_fast.testing.assert_close_rule``, docs/design.md §5):
 ``err(FastGRPOTrainer in float32, oracle) <= 2 * err(GRPOTrainer in float32, oracle) + ATOL[float32]``. The oracle is
 TRL's own ``_compute_loss`` run on a float64 copy of the model whose log-probs come from the model's full float64
 logits (``MaterializedLogitsGRPOTrainer`` in tests/trl_fixtures.py), so it is TRL's semantics without TRL's float32

@@ -28,7 +28,7 @@ the model adds up what is alive at the phase's largest moment, and the step's pe
               copies of the largest trained parameter (measured), on CUDA one fp32 temporary per trained parameter
               (the foreach step; analytic)
   fused loss  the fused log-prob op's tiles and row buffers: on CPU its own chunk sizes; on CUDA the 64 MiB bound of
-              DESIGN.md section 7 -- not measured
+              docs/design.md §7 -- not measured
 
 LoRA ranks other than the calibrated one (``calibration["lora_r"]``) add or remove, per target projection, token and
 layer, the ``[S, r]`` output of ``lora_A`` that ``lora_B`` saves (compute-dtype bytes): analytic, checked by
@@ -61,7 +61,7 @@ METHODS = {  # the bench's configurations, minus ppo_fused (a diagnostic, not a 
 }
 GEMMA2_WINDOW = 4096
 MAX_COMPLETION = 65536  # the longest T the search tries
-FUSED_CUDA_WORKSPACE = 64 * 2**20  # DESIGN.md section 7's bound on the Triton path's working memory
+FUSED_CUDA_WORKSPACE = 64 * 2**20  # docs/design.md §7's bound on the Triton path's working memory
 
 
 def calibration_path() -> Path:
@@ -354,7 +354,7 @@ def fused_tile_bytes(tokens: int, shape: ModelShape) -> int:
 
 
 def fused_workspace(tiles: dict, phase: str, tokens: int, shape: ModelShape, device: str) -> float:
-    """The fused log-prob op's working memory: measured tiles on CPU; on CUDA the 64 MiB bound of DESIGN.md."""
+    """The fused log-prob op's working memory: measured tiles on CPU; on CUDA the 64 MiB bound of docs/design.md §7."""
     if device == "cuda":
         return FUSED_CUDA_WORKSPACE
     return tiles[phase] * fused_tile_bytes(tokens, shape)
