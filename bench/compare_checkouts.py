@@ -6,7 +6,8 @@ equally, and writes every row of every round to one CSV with ``checkout`` (base 
 rows keep their own ``commit``, ``src_sha`` and ``command`` columns, which say which code ran). Then it prints, per
 configuration, the median of each side's ``median_ms`` over the rounds and their ratio.
 
-Example (the check issue 13 asks for: the torch path's CPU time stays within 10% of the code before the GPU rework)::
+Example (the check a rework of the GPU path must pass: the torch path's CPU time stays within 10% of the code before
+it, docs/design.md §7)::
 
     python -m bench.compare_checkouts --base 051fc01 --csv bench/results/torch_path_vs_051fc01.csv -- \\
         --impls torch --vocab 32768 151936 --no-check

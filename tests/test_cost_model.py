@@ -1,7 +1,7 @@
-"""bench/cost_model.py: issue 13's targets on the projection, and the projection read from the launch plan.
+"""bench/cost_model.py: the targets (docs/design.md §7) on the projection, and the projection read from the plan.
 
 Everything here runs the real launchers on meta tensors inside ``launch.capture``: no kernel runs (not even under the
-interpreter), so the issue's full shape costs a second or two.
+interpreter), so the full target shape costs a second or two.
 """
 
 import csv
@@ -18,34 +18,34 @@ from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB, CONFIGS
 from grpo_fast.kernels.plan import Plan, Step
 
 MIB = 2**20
-N, H, V = 16384, 4096, 151936  # issue 13's shape
+N, H, V = 16384, 4096, 151936  # the shape the targets are set at
 NHV = N * H * V
 SMALL = (2048, 512, 32000)  # a quick shape for the tests about the model itself
 
 
 @pytest.fixture(scope="module")
-def issue_shape():
+def target_shape():
     return project(N, H, V, dtype="bf16", device="h100")
 
 
-# ------------------------------------------------------------------------------------------------ issue 13, part 3
-def test_issue_13_time_within_1_5x_the_bare_gemms(issue_shape):
-    assert issue_shape["projected_ms"] <= 1.5 * issue_shape["gemm_ms"], issue_shape["ratio"]
+# ------------------------------------------------------------------------------------------------ the targets
+def test_time_within_1_5x_the_bare_gemms(target_shape):
+    assert target_shape["projected_ms"] <= 1.5 * target_shape["gemm_ms"], target_shape["ratio"]
 
 
-def test_issue_13_at_most_400_launches(issue_shape):
-    assert issue_shape["launches"] <= 400
+def test_at_most_400_launches(target_shape):
+    assert target_shape["launches"] <= 400
 
 
-def test_issue_13_at_most_8_4_nhv_flops(issue_shape):
-    assert issue_shape["flops"] <= 8.4 * NHV
+def test_at_most_8_4_nhv_flops(target_shape):
+    assert target_shape["flops"] <= 8.4 * NHV
 
 
-def test_issue_13_extra_memory_within_64_mib_at_the_default_budget(issue_shape):
-    assert issue_shape["budget_mib"] == DEFAULT_SCRATCH_MIB
-    assert issue_shape["extra_bytes"] <= 64 * MIB, (
-        f"forward {issue_shape['forward_extra_bytes'] / MIB:.1f} MiB, "
-        f"backward {issue_shape['backward_extra_bytes'] / MIB:.1f} MiB")
+def test_extra_memory_within_64_mib_at_the_default_budget(target_shape):
+    assert target_shape["budget_mib"] == DEFAULT_SCRATCH_MIB
+    assert target_shape["extra_bytes"] <= 64 * MIB, (
+        f"forward {target_shape['forward_extra_bytes'] / MIB:.1f} MiB, "
+        f"backward {target_shape['backward_extra_bytes'] / MIB:.1f} MiB")
 
 
 # ------------------------------------------------------------------------------------------------ the fixed rules
@@ -85,9 +85,9 @@ def test_the_launch_rule():
         step_seconds(Step("cutlass", "x", (1,), 0, 0, 0), h100, "bf16")
 
 
-def test_gemm_ms_is_the_three_lm_head_gemms(issue_shape):
-    # compute-bound at the issue's shape: 6NHV at e = 0.75 plus 5 us per GEMM
-    assert issue_shape["gemm_ms"] == pytest.approx((6 * NHV / (989e12 * GEMM_EFFICIENCY) + 3 * 5e-6) * 1e3,
+def test_gemm_ms_is_the_three_lm_head_gemms(target_shape):
+    # compute-bound at the target shape: 6NHV at e = 0.75 plus 5 us per GEMM
+    assert target_shape["gemm_ms"] == pytest.approx((6 * NHV / (989e12 * GEMM_EFFICIENCY) + 3 * 5e-6) * 1e3,
                                                    rel=1e-12)
     # memory-bound at H = 16: each GEMM reads both operands and writes its output, bf16
     n, h, v = 16384, 16, 151936
@@ -217,11 +217,11 @@ def test_launches_do_not_grow_with_n_at_a_fixed_chunk_width():
     assert counts[4096][0] == 2 * math.ceil(V / width) + 1
 
 
-def test_launches_grow_with_v_at_most_linearly(issue_shape):
+def test_launches_grow_with_v_at_most_linearly(target_shape):
     doubled = project(N, H, 2 * V)
-    assert issue_shape["launches"] < doubled["launches"] <= 2 * issue_shape["launches"]
+    assert target_shape["launches"] < doubled["launches"] <= 2 * target_shape["launches"]
     c = _named(build_plans(N, H, V)[0], "logits")[0].shape[1]  # the forward's chunk: the same at either V
-    assert (issue_shape["forward_launches"], doubled["forward_launches"]) == (2 * math.ceil(V / c) + 1,
+    assert (target_shape["forward_launches"], doubled["forward_launches"]) == (2 * math.ceil(V / c) + 1,
                                                                                2 * math.ceil(2 * V / c) + 1)
 
 

@@ -1,5 +1,6 @@
-"""GPU-only behaviour checked on the CPU (issue 12): which path ``auto`` picks, the device guard, launches as data,
-no all-zero entropy gradient, CUDA-graph tags, and the log-prob kernel with scalars rounded as hardware passes them."""
+"""GPU-only behaviour checked on the CPU (docs/design.md §10): which path ``auto`` picks, the device guard, launches
+as data, no all-zero entropy gradient, CUDA-graph tags, and the log-prob kernel with scalars rounded as hardware
+passes them."""
 
 from __future__ import annotations
 

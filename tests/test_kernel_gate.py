@@ -1,4 +1,4 @@
-"""The static GPU gate in the normal suite (docs/design.md §10, issue 12): every Triton launch grpo-fast can make compiles
+"""The static GPU gate in the normal suite (docs/design.md §10): every Triton launch grpo-fast can make compiles
 for sm_80, sm_86, sm_89, sm_90a, sm_100a, sm_120, gfx90a and gfx942, and the launches the launchers choose have zero
 spills and shared memory within each target's limit; kernels with a ``tl.dot`` use tensor cores in bf16/fp16 (the
 log-prob kernels have none: their matmuls are cuBLAS GEMMs); kernels that address a buffer by a row stride compute
