@@ -49,37 +49,44 @@ def _allowed(values) -> str:
     return ", ".join(repr(v.value if isinstance(v, enum.Enum) else v) for v in values)
 
 
+def _field(default, help: str):
+    """A field with a default and its description as ``help`` metadata (the ``--loss.NAME`` line of ``--help``)."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class GRPOLossConfig:
     """Options of the GRPO loss. Semantics: docs/design.md §4 (TRL 1.16 ``GRPOTrainer._compute_loss``).
 
-    ``epsilon`` is the lower clip (TRL's ``epsilon_low``); ``epsilon_high=None`` means ``epsilon``. For ``cispo``,
-    ``epsilon_high`` is the upper cap on the ratio (TRL recommends 5.0). ``temperature`` and ``softcap`` shape the
-    logits exactly as at sampling time: ``z = softcap * tanh(z / softcap)``, then ``z / temperature``.
-    ``use_bias_correction_kl=True`` (TRL 1.16's default) multiplies the per-token k3 KL by the importance ratio
-    ``r = exp(logp - old_logp)``: ``beta * r * (exp(ref - logp) - (ref - logp) - 1)``. On policy (``old_logp =
-    logp.detach()``) ``r`` is 1 in value but not in gradient: the term's gradient is ``(logp - ref) * d logp``, the
-    score-function gradient of KL(policy || ref); without ``r`` (False) it is ``(1 - exp(ref - logp)) * d logp``.
+    Each field's ``help`` metadata (``dataclasses.fields(GRPOLossConfig)``) is its one description: ``grpo-fast
+    train --help`` prints it as the ``--loss.NAME`` line. The bias-corrected KL is ``beta * r * (exp(ref - logp) -
+    (ref - logp) - 1)`` with ``r = exp(logp - old_logp)``: on policy (``old_logp = logp.detach()``) ``r`` is 1 in
+    value but not in gradient, so the term's gradient is ``(logp - ref) * d logp``, the score-function gradient of
+    KL(policy || ref); without ``r`` (``use_bias_correction_kl=False``) it is ``(1 - exp(ref - logp)) * d logp``.
     """
 
-    loss_type: LossType | str = LossType.DAPO
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    delta: float | None = None
-    importance_sampling_level: str = "token"
-    temperature: float = 1.0
-    softcap: float | None = None
-    use_bias_correction_kl: bool = True
-    max_completion_length: int | None = None
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
-    vespo_k_pos: float = 2.0
-    vespo_lambda_pos: float = 3.0
-    vespo_k_neg: float = 3.0
-    vespo_lambda_neg: float = 2.0
-    top_entropy_quantile: float = 1.0
-    entropy_coef: float = 0.0
+    loss_type: LossType | str = _field(LossType.DAPO, f"{', '.join(t.value for t in LossType)} (TRL 1.16 semantics)")
+    beta: float = _field(0.0, "KL coefficient against the reference model (0: no reference model is kept)")
+    epsilon: float = _field(0.2, "lower clip of the importance ratio (1 - epsilon; TRL's epsilon_low)")
+    epsilon_high: float | None = _field(None, "upper clip (1 + epsilon_high; None: epsilon); cispo's truncation "
+                                        "bound, the cap on the ratio itself (TRL recommends 5.0)")
+    delta: float | None = _field(None, "two-sided clipping: cap the unclipped ratio at delta (None: off)")
+    importance_sampling_level: str = _field("token", "token, or sequence (GSPO)")
+    temperature: float = _field(1.0, "the logits are divided by it, after softcap, exactly as at sampling time")
+    softcap: float | None = _field(None, "final-logit softcapping z = softcap * tanh(z / softcap), before the "
+                                   "temperature, exactly as at sampling time (None: off)")
+    use_bias_correction_kl: bool = _field(True, "multiply the KL term by the importance ratio (TRL 1.16's default; "
+                                          "false: plain k3)")
+    max_completion_length: int | None = _field(None, "dr_grpo's constant normaliser: the loss is divided by the "
+                                               "batch size x this (None: the completions' padded length T)")
+    sapo_temperature_pos: float = _field(1.0, "SAPO gate temperature for positive advantages")
+    sapo_temperature_neg: float = _field(1.05, "SAPO gate temperature for negative advantages")
+    vespo_k_pos: float = _field(2.0, "VESPO k for positive advantages")
+    vespo_lambda_pos: float = _field(3.0, "VESPO lambda for positive advantages")
+    vespo_k_neg: float = _field(3.0, "VESPO k for negative advantages")
+    vespo_lambda_neg: float = _field(2.0, "VESPO lambda for negative advantages")
+    top_entropy_quantile: float = _field(1.0, "train only on the top q fraction of tokens by entropy (1.0: all)")
+    entropy_coef: float = _field(0.0, "entropy bonus coefficient (0: none)")
 
     def __post_init__(self):
         try:

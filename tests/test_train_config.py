@@ -11,7 +11,8 @@ import pytest
 
 from grpo_fast.cli import main
 from grpo_fast.config import GRPOLossConfig, LossType
-from grpo_fast.train.config import TrainConfig, build_config, field_help, read_config_file
+from grpo_fast.train.config import (TRAINER_OWNED_LOSS_FIELDS, TrainConfig, build_config, field_help,
+                                    read_config_file)
 
 
 def test_defaults_are_valid_and_serialisable():
@@ -146,6 +147,16 @@ def test_help_lists_every_option_with_its_default(capsys):
         assert f"{flag} " in text or f"{flag}\n" in text
         assert f"(default: {default})" in text, flag
     assert "--loss.beta" in text and "--loss.temperature" not in text
+
+
+def test_loss_help_is_the_fields_metadata():
+    """Every loss field describes itself (``help`` metadata); ``--help`` shows that text for the ones a user sets."""
+    rows = {flag: text for _, flag, _, text in field_help()}
+    for f in dataclasses.fields(GRPOLossConfig):
+        assert f.metadata.get("help"), f.name
+        if f.name not in TRAINER_OWNED_LOSS_FIELDS:
+            assert rows[f"--loss.{f.name}"] == f.metadata["help"]
+    assert all(t.value in rows["--loss.loss_type"] for t in LossType)
 
 
 def test_cli_reports_bad_input_without_a_traceback(capsys, tmp_path):

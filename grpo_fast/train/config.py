@@ -20,25 +20,6 @@ from grpo_fast.config import GRPOLossConfig
 TRAINER_OWNED_LOSS_FIELDS = ("temperature", "softcap", "max_completion_length")
 
 
-LOSS_HELP = {
-    "loss_type": "grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo (TRL 1.16 semantics)",
-    "beta": "KL coefficient against the reference model (0: no reference model is kept)",
-    "epsilon": "lower clip of the importance ratio (1 - epsilon)",
-    "epsilon_high": "upper clip (1 + epsilon_high; None: epsilon); cispo's truncation bound",
-    "delta": "two-sided clipping: cap the unclipped ratio at delta (None: off)",
-    "importance_sampling_level": "token, or sequence (GSPO)",
-    "use_bias_correction_kl": "multiply the KL term by the importance ratio (TRL 1.16's default; false: plain k3)",
-    "sapo_temperature_pos": "SAPO gate temperature for positive advantages",
-    "sapo_temperature_neg": "SAPO gate temperature for negative advantages",
-    "vespo_k_pos": "VESPO k for positive advantages",
-    "vespo_lambda_pos": "VESPO lambda for positive advantages",
-    "vespo_k_neg": "VESPO k for negative advantages",
-    "vespo_lambda_neg": "VESPO lambda for negative advantages",
-    "top_entropy_quantile": "train only on the top q fraction of tokens by entropy (1.0: all)",
-    "entropy_coef": "entropy bonus coefficient (0: none)",
-}
-
-
 DEFAULT_LOSS = GRPOLossConfig(beta=0.04)
 # TRL's vllm_importance_sampling_mode values (grpo_fast.train.sampling_correction computes each)
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -465,7 +446,8 @@ SECTIONS = {"model": "model", "dataset": "data", "rewards": "rewards", "steps": 
 
 
 def field_help() -> list[tuple[str, str, str, str]]:
-    """(section, flag, default, help) for every option, the loss's fields included (for ``--help``)."""
+    """(section, flag, default, help) for every option, the loss's fields included (for ``--help``): the help
+    of a field is its ``help`` metadata, ``TrainConfig``'s and ``GRPOLossConfig``'s alike."""
     rows = []
     section = ""
     for f in dataclasses.fields(TrainConfig):
@@ -476,7 +458,7 @@ def field_help() -> list[tuple[str, str, str, str]]:
                 if lf.name in TRAINER_OWNED_LOSS_FIELDS:
                     continue
                 value = getattr(default, lf.name)
-                rows.append((section, f"--loss.{lf.name}", _show(value), LOSS_HELP[lf.name]))
+                rows.append((section, f"--loss.{lf.name}", _show(value), lf.metadata["help"]))
             continue
         rows.append((section, f"--{f.name.replace('_', '-')}", _show(default), f.metadata["help"]))
     return rows
