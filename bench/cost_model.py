@@ -2,7 +2,7 @@
 
     python -m bench.cost_model --n 16384 --h 4096 --v 151936 --dtype bf16 --device h100 --json
     python -m bench.cost_model --device a100 --entropy           # a table: launches and ms per step
-    python -m bench.cost_model --all --csv                       # the issue's two shapes on the four devices
+    python -m bench.cost_model --all --csv                       # the two target shapes on the four devices
 
 What it prices. ``linear_logprob_forward`` then ``linear_logprob_backward`` (all rows active, no bias, temperature 1,
 no softcap, d hidden and d weight wanted) run on meta tensors inside ``grpo_fast.kernels.launch.capture(target)``:
@@ -11,7 +11,7 @@ FLOPs and bytes at tensor granularity, and the launchers pick their chunk widths
 configurations as on ``target``. Nothing here restates how many launches or FLOPs the design has: every figure is a
 sum over the recorded ``Plan.steps`` (and the peak of ``Plan.peak_bytes``), so the model cannot drift from the code.
 
-The fixed rules (issue 13; chosen so that a design cannot win by its constants):
+The fixed rules (set in advance, so that a design cannot win by its constants):
 
 - a launch takes ``max(flops / (peak * e), bytes / (0.85 * HBM)) + 5 us``, ``e`` = 0.75 for a cuBLAS GEMM, 0.55 for a
   Triton kernel; a torch op (copy, fill, reduction) is memory-bound (no FLOPs) and priced by the same formula;
@@ -44,7 +44,7 @@ from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB, linear_logpro
 from grpo_fast.kernels.plan import Plan, Step
 
 # ------------------------------------------------------------------------------------------------ the fixed rules
-# Issue 13 fixes these. GEMM_EFFICIENCY and TRITON_EFFICIENCY may only be replaced by a figure measured on a GPU by
+# Fixed in advance. GEMM_EFFICIENCY and TRITON_EFFICIENCY may only be replaced by a figure measured on a GPU by
 # bench/gpu_check.sh (and the replacement must say so here, with the run it came from); the other two stay as they are.
 GEMM_EFFICIENCY = 0.75  # e of a cuBLAS GEMM: the fraction of the dense tensor peak it reaches
 TRITON_EFFICIENCY = 0.55  # e of a Triton kernel
@@ -53,7 +53,7 @@ LAUNCH_SECONDS = 5e-6  # added to every launch
 EFFICIENCY = {"gemm": GEMM_EFFICIENCY, "triton": TRITON_EFFICIENCY}  # "torch" steps carry no FLOPs (memory-bound)
 
 MIB = 2**20
-# The shapes issue 13 asks for: (N, H, V)
+# The shapes the targets are set at (docs/design.md §7): (N, H, V)
 ISSUE_SHAPES = ((16384, 4096, 151936), (65536, 8192, 128256))
 CSV_PATH = Path(__file__).resolve().parent / "results" / "cost_model.csv"
 
@@ -88,7 +88,7 @@ class Profile:
 
 
 PROFILES: dict[str, Profile] = {p.key: p for p in (
-    # The SXM parts, with issue 13's figures (989 / 989 / 312 TF/s, 3.35 / 4.8 / 2.0 TB/s).
+    # The SXM parts (989 / 989 / 312 TF/s, 3.35 / 4.8 / 2.0 TB/s).
     Profile("h100", "NVIDIA H100 SXM5 80GB", 132, 989.0, 494.7, 3.35, 80, Target("cuda", 90, 32),
             "NVIDIA H100 Tensor Core GPU datasheet, SXM column (BF16 1,979 TF/s and TF32 989 TF/s are with sparsity: "
             "dense is half); 132 SMs: NVIDIA H100 whitepaper (SXM5)"),
@@ -97,7 +97,7 @@ PROFILES: dict[str, Profile] = {p.key: p for p in (
             "figures halved); 141 GB HBM3e at 4.8 TB/s"),
     Profile("a100", "NVIDIA A100 SXM4 80GB", 108, 312.0, 156.0, 2.0, 80, Target("cuda", 80, 32),
             "NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM column (BF16 312 TF/s, TF32 156 TF/s dense; the "
-            "datasheet's 2,039 GB/s as issue 13's 2.0 TB/s); 108 SMs: NVIDIA A100 whitepaper"),
+            "datasheet's 2,039 GB/s taken as 2.0 TB/s); 108 SMs: NVIDIA A100 whitepaper"),
     # GeForce parts run fp16/bf16 tensor math with fp32 accumulation at half the fp16-accumulate rate: 165.2, not
     # the 330.3 TF/s the marketing table leads with (that is fp16 accumulate).
     Profile("rtx4090", "NVIDIA GeForce RTX 4090", 128, 165.2, 82.6, 1.008, 24, Target("cuda", 89, 32),
@@ -308,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-mib", type=float, default=None, metavar="MIB",
                    help=f"the launchers' scratch budget (default {DEFAULT_SCRATCH_MIB}, whatever "
                         "GRPO_FAST_SCRATCH_MIB says)")
-    p.add_argument("--all", action="store_true", help="the issue's two shapes (N=16384 H=4096 V=151936 and "
+    p.add_argument("--all", action="store_true", help="the two target shapes (N=16384 H=4096 V=151936 and "
                    "N=65536 H=8192 V=128256) on every device profile, one table (--n/--h/--v/--device ignored)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table (with --all: "
                    "{\"rows\": [one object per projection]})")
