@@ -30,6 +30,10 @@ Cache. A compile takes seconds; the CSV doubles as the cache. Each row carries `
 the kernel's source (``JITFunction.cache_key``, which covers the jit functions it calls), the specialisation and the
 target: a row is reused only while all four are unchanged, so editing a kernel makes its rows stale and they are
 compiled again. ``--verify`` recompiles rows and fails if the CSV disagrees with the compiler.
+
+Counts. The last line (stderr) is where the docs take their numbers from: ``kernel_report: N compiles for 8 targets
+(sm_80 n, ...); K chosen by the launchers; D do not compile, S spill where chosen; F fail the gate, M verification
+mismatches``. ``--cached-only --no-write`` prints it from the CSV alone (launches the CSV lacks are counted missing).
 """
 
 from __future__ import annotations
@@ -566,6 +570,20 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def counts_line(rows: list[dict], failures: dict, problems: list[str]) -> str:
+    """The report's last line, the one the docs quote counts from: compiles in all and per target, how many the
+    launchers choose, how many lack a result, do not compile or spill where chosen, and what fails."""
+    per_target = ", ".join(f"{t} {sum(r['target'] == t for r in rows)}" for t in TARGETS)
+    missing = sum(r["error"] == MISSING for r in rows)
+    broken = sum(bool(r["error"]) and r["error"] != MISSING for r in rows)
+    spilling = sum(not r["error"] and int(r["chosen"]) and int(r["spill_bytes"]) > 0 for r in rows)
+    return (f"kernel_report: {len(rows)} compiles for {len(TARGETS)} targets ({per_target}); "
+            f"{sum(int(r['chosen']) for r in rows)} chosen by the launchers; "
+            + (f"{missing} missing from the CSV, " if missing else "")
+            + f"{broken} do not compile, {spilling} spill where chosen; {len(failures)} fail the gate, "
+            f"{len(problems)} verification mismatches")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kernel_report", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
@@ -596,8 +614,7 @@ def main(argv=None) -> int:
                   f"{'; '.join(failures[r['key']])}", file=sys.stderr)
     for msg in problems:
         print(f"VERIFY FAIL {msg}", file=sys.stderr)
-    print(f"kernel_report: {len(rows)} rows, {len(failures)} fail the gate, {len(problems)} verification mismatches",
-          file=sys.stderr)
+    print(counts_line(rows, failures, problems), file=sys.stderr)
     return 1 if failures or problems else 0
 
 
