@@ -3,7 +3,7 @@
 Every value is the one in the model's published Hugging Face ``config.json`` (the hub id is on each entry). Benchmarks
 take the lm_head shape ``(hidden_size, vocab_size)`` from here instead of inventing one (``bench.models`` re-exports
 this module); ``grpo-fast fit`` uses the rest (layers, attention heads, MLP width) through
-:meth:`ModelShape.num_params`, :meth:`ModelShape.lora_params` and :meth:`ModelShape.kv_bytes`.
+:meth:`ModelShape.num_params`, :meth:`ModelShape.lora_params` and :meth:`ModelShape.linear_shapes`.
 
     from grpo_fast.memory.models import MODELS, get_model
     m = get_model("qwen2.5-7b");  m.hidden_size, m.vocab_size   # (3584, 152064)
@@ -37,11 +37,6 @@ class ModelShape:
     attention_bias: bool = False  # bias on q, k, v (Qwen2.5)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
     norms_per_layer: int = 2  # RMSNorm weights of size H per layer (Gemma-2 has four)
-
-    @property
-    def lm_head_shape(self) -> tuple[int, int]:
-        """``[V, H]``, the ``weight`` argument of ``grpo_loss``."""
-        return (self.vocab_size, self.hidden_size)
 
     def num_params(self) -> int:
         """Parameter count from the shapes (embedding, lm_head unless tied, attention, gated MLP, norms).
@@ -78,14 +73,6 @@ class ModelShape:
         if unknown:
             raise ValueError(f"LoRA targets: {unknown} are not decoder projections ({', '.join(shapes)})")
         return self.num_hidden_layers * sum(r * (shapes[t][0] + shapes[t][1]) for t in targets)
-
-    def kv_bytes(self, tokens: int, bytes_per_elem: int = 2) -> int:
-        """KV-cache size of ``tokens`` cached positions (all layers, keys and values)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * tokens * bytes_per_elem
-
-    def logits_bytes(self, tokens: int, bytes_per_elem: int = 4) -> int:
-        """Size of the materialised ``[tokens, V]`` logits a naive loss creates (fp32 by default)."""
-        return tokens * self.vocab_size * bytes_per_elem
 
 
 _ENTRIES = [
