@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # it may import modules of its own layer and of the layers before it, never of a later one.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("grpo_fast.config", "grpo_fast.outputs", "grpo_fast.checks", "grpo_fast.dispatch",
-                    "grpo_fast.testing", "grpo_fast.memory.models")),
+                    "grpo_fast.testing", "grpo_fast.memory.models", "grpo_fast.dtypes", "grpo_fast.benchmarking")),
     ("reference", ("grpo_fast.reference",)),
     # the chunked PyTorch algorithms and the Triton kernels with their launchers
     ("implementations", ("grpo_fast.logprobs_torch", "grpo_fast.loss_torch", "grpo_fast.kernels")),

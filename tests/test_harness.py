@@ -1,0 +1,69 @@
+"""The pieces the doctor and the benchmarks share: the timer (``grpo_fast.benchmarking.time_calls``, under
+``bench.harness.measure``), the dtype-name table (``grpo_fast.dtypes``) and the seeded input builder
+(``grpo_fast.testing.loss_inputs``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import harness
+from grpo_fast.benchmarking import time_calls
+from grpo_fast.dtypes import ALIASES, DTYPES, NAMES, SHORT_DTYPES, dtype_name
+from grpo_fast.testing import loss_inputs
+
+
+def test_time_calls_runs_setup_before_every_call_and_times_the_reps_only():
+    events = []
+    times = time_calls(lambda: events.append("call"), device="cpu", reps=3, warmup=2,
+                       setup=lambda: events.append("setup"))
+    assert events == ["setup", "call"] * 5
+    assert len(times) == 3 and all(t >= 0.0 for t in times)
+
+
+@pytest.mark.parametrize("reps, warmup", [(0, 1), (1, -1)])
+def test_time_calls_refuses_no_reps_and_negative_warmup(reps, warmup):
+    with pytest.raises(ValueError, match="reps >= 1 and warmup >= 0"):
+        time_calls(lambda: None, device="cpu", reps=reps, warmup=warmup)
+
+
+def test_measure_reports_the_timer_s_reps_and_a_cpu_memory_figure():
+    calls = []
+    m = harness.measure(lambda: calls.append(torch.ones(1000)), warmup=1, reps=2, device="cpu")
+    assert len(calls) == 3 and len(m.times_ms) == 2 and m.median_ms >= m.min_ms
+    assert m.memory_method == "rss_hwm" and m.peak_extra_bytes >= 0
+
+
+def test_one_dtype_table_with_its_aliases():
+    assert set(DTYPES) == {"float32", "bfloat16", "float16"}
+    assert {alias: DTYPES[name] for alias, name in ALIASES.items()} == SHORT_DTYPES
+    assert list(SHORT_DTYPES) == ["fp32", "bf16", "fp16"]  # the order bench.cost_model's and bench_prefix's --help show
+    assert all(NAMES[dtype] == name == dtype_name(dtype) for name, dtype in DTYPES.items())
+    assert dtype_name(torch.float64) == "float64"
+
+
+def test_loss_inputs_are_seeded_and_draw_the_logps_last():
+    kw = dict(seed=3, min_length=5, full_first_row=True)
+    a = loss_inputs(4, 9, 8, 33, **kw)
+    b = loss_inputs(4, 9, 8, 33, **kw)
+    assert a.keys() == b.keys() == {"hidden", "weight", "target_ids", "completion_mask", "advantages", "ref_logps"}
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    lengths = a["completion_mask"].sum(1)
+    assert lengths[0] == 9 and bool((lengths >= 5).all()) and a["completion_mask"].dtype == torch.bool
+    # old log-probs around the policy's own: drawn after everything else, which stays as it was
+    c = loss_inputs(4, 9, 8, 33, **kw, old_logps=True, logps_center=lambda h, w, y: torch.zeros(y.shape),
+                    logps_noise=0.3)
+    assert all(torch.equal(a[k], c[k]) for k in ("hidden", "weight", "target_ids", "completion_mask", "advantages"))
+    assert c["old_logps"].shape == c["ref_logps"].shape == (4, 9) and c["old_logps"].dtype == torch.float32
+    assert not torch.equal(c["old_logps"], c["ref_logps"])
+
+
+def test_loss_inputs_cast_after_drawing():
+    x64 = loss_inputs(2, 5, 8, 17, draw_dtype=torch.float64)
+    x = loss_inputs(2, 5, 8, 17, draw_dtype=torch.float64, dtype=torch.bfloat16, requires_grad=True,
+                    mask_dtype=torch.int64)
+    assert x64["hidden"].dtype == torch.float64 and not x64["hidden"].requires_grad
+    assert x["hidden"].dtype == x["weight"].dtype == torch.bfloat16 and x["hidden"].requires_grad
+    assert x["hidden"].is_leaf and x["weight"].requires_grad and x["completion_mask"].dtype == torch.int64
+    assert torch.equal(x["hidden"].detach(), x64["hidden"].to(torch.bfloat16))
+    assert x["advantages"].dtype == x["ref_logps"].dtype == torch.float32
