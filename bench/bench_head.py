@@ -52,6 +52,8 @@ import torch
 
 from bench import harness
 from bench.cost_model import PROFILES
+from grpo_fast.benchmarking import time_calls
+from grpo_fast.dtypes import SHORT_DTYPES
 from grpo_fast.kernels.plan import nbytes
 
 BENCHMARK = "head_fwd_bwd"
@@ -118,21 +120,10 @@ def _base_row(shape, profile: str, how: str, args) -> dict:
 
 
 def time_cuda(fn, *, warmup: int, reps: int, setup=None) -> list[float]:
-    """Milliseconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones, by CUDA events; ``setup()``
-    runs untimed before every call. The device is synchronised before each call."""
-    times = []
-    for i in range(warmup + reps):
-        if setup is not None:
-            setup()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return times
+    """Milliseconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones on the current CUDA device
+    (``grpo_fast.benchmarking.time_calls``: CUDA events, the device synchronised before each call); ``setup()`` runs
+    untimed before every call. One name for the tests to replace on a CPU."""
+    return time_calls(fn, device="cuda", reps=reps, warmup=warmup, setup=setup)
 
 
 def measure_fused(x: dict, *, entropy: bool, warmup: int, reps: int, seed: int) -> dict:
@@ -257,13 +248,13 @@ def measure_gemms(x: dict, *, warmup: int, reps: int, seed: int) -> dict:
 
 
 def measure_shape(shape, *, entropy: bool, warmup: int, reps: int, seed: int, device: str = "cuda") -> dict:
-    """(a) and (b) on one shape, the same inputs (``bench.bench_loss.make_inputs``: hidden ~ N(0, 1), weight ~
-    N(0, 1 / H), uniform targets). ``device``: CUDA; the CPU tests pass "cpu" with the CUDA timers replaced."""
-    from bench.bench_loss import make_inputs
+    """(a) and (b) on one shape, the same inputs (``grpo_fast.testing.loss_inputs``, as ``bench.bench_loss`` draws
+    them: hidden ~ N(0, 1), weight ~ N(0, 1 / H), uniform targets). ``device``: CUDA; the CPU tests pass "cpu" with
+    the CUDA timers replaced."""
+    from grpo_fast.testing import loss_inputs
 
     n, h, v = shape
-    x = make_inputs(batch=1, seq=n, hidden_size=h, vocab=v, dtype=DTYPE, device=device, seed=seed,
-                    min_completion_frac=1.0)
+    x = loss_inputs(1, n, h, v, seed=seed, device=device, dtype=SHORT_DTYPES[DTYPE], requires_grad=True)
     x = {k: x[k] for k in ("hidden", "weight", "target_ids")}  # the loss's other inputs are not needed here
     fused = measure_fused(x, entropy=entropy, warmup=warmup, reps=reps, seed=seed)
     gemm = measure_gemms(x, warmup=warmup, reps=reps, seed=seed)

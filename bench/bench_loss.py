@@ -45,7 +45,8 @@ import torch
 
 from bench import harness
 from bench.models import MODELS, get_model
-from grpo_fast.doctor import DTYPES
+from grpo_fast.dtypes import SHORT_DTYPES
+from grpo_fast.testing import loss_inputs
 
 BENCHMARK = "grpo_loss_fwd_bwd"
 ALL_IMPLS = ("torch", "reference", "liger", "triton", "liger_triton", "matmul")
@@ -61,27 +62,12 @@ REF_ROWS_FP64 = 256  # row block of the float64 oracle: a [256, V] fp64 tile is 
 
 def make_inputs(batch: int, seq: int, hidden_size: int, vocab: int, dtype: str, device: str, seed: int,
                 min_completion_frac: float) -> dict:
-    """Seeded inputs, identical in every process on the same device type (drawn on the device: a CPU draw of a
-    large fp32 weight would cost seconds per process on a GPU machine). Logits come out with unit scale."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    dt = DTYPES[dtype]
-    kw = dict(generator=g, device=device)
-    hidden = torch.randn(batch, seq, hidden_size, **kw)
-    weight = torch.randn(vocab, hidden_size, **kw) / math.sqrt(hidden_size)  # weight ~ N(0, 1/H)
-    target_ids = torch.randint(0, vocab, (batch, seq), **kw)
-    lengths = torch.randint(math.ceil(min_completion_frac * seq), seq + 1, (batch,), **kw)
-    mask = (torch.arange(seq, device=device).unsqueeze(0) < lengths.unsqueeze(1)).to(torch.int64)
-    advantages = torch.randn(batch, **kw)
-    # Plausible reference-model log-probs: near the policy's ~ -log V - 0.5, so the k3 KL term stays moderate.
-    ref_logps = -math.log(vocab) - 0.5 + 0.5 * torch.randn(batch, seq, **kw)
-    return {
-        "hidden": hidden.to(dt).requires_grad_(True),
-        "weight": weight.to(dt).requires_grad_(True),
-        "target_ids": target_ids,
-        "completion_mask": mask,
-        "advantages": advantages,
-        "ref_logps": ref_logps,
-    }
+    """Seeded inputs (``grpo_fast.testing.loss_inputs``), identical in every process on the same device type:
+    hidden and weight in ``dtype`` (a short name, ``bf16``) requiring grad, completion lengths uniform in
+    ``[ceil(F * T), T]`` (an int64 mask), reference log-probs near the policy's ~ -log V - 0.5 so that the k3 KL term
+    stays moderate. Logits come out with unit scale."""
+    return loss_inputs(batch, seq, hidden_size, vocab, seed=seed, device=device, dtype=SHORT_DTYPES[dtype],
+                       min_length=math.ceil(min_completion_frac * seq), mask_dtype=torch.int64, requires_grad=True)
 
 
 def _loss_config(softcap):
@@ -99,7 +85,8 @@ def make_loss(impl: str, x: dict, device: str, softcap):
             import liger_kernel.chunked_loss  # noqa: F401
         except ImportError as e:
             raise ImportError("impl 'liger' needs liger-kernel: pip install 'grpo-fast[bench]'") from e
-        from grpo_fast.doctor import liger_loss
+        from grpo_fast.benchmarking import liger_loss
+
         cfg = _loss_config(None)
         liger = liger_loss(cfg, compiled=torch.device(device).type == "cuda")
 
@@ -255,7 +242,7 @@ def _parse_args(argv=None):
                    help="vocabulary sizes V to run (default 32768 151936)")
     p.add_argument("--model", nargs="+", default=None, metavar="NAME",
                    help="take H, V (and the final-logit softcap) from the model registry instead of --h/--vocab")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="hidden/weight dtype (default fp32)")
+    p.add_argument("--dtype", choices=sorted(SHORT_DTYPES), default="fp32", help="hidden/weight dtype (default fp32)")
     p.add_argument("--impls", nargs="+", choices=ALL_IMPLS, default=None,
                    help="implementations to compare (default: torch reference liger, plus triton on CUDA)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
@@ -314,7 +301,7 @@ def _check(shape, impls, run) -> dict:
         msg = f"error: the reference failed: {res['errors'].get('reference')}"
         print(f"    check: {msg}", flush=True)
         return {impl: {"check": msg} for impl in impls}
-    bound = 2.0 * abs(losses["reference"] - oracle) + ATOL[DTYPES[shape["inputs"]["dtype"]]]
+    bound = 2.0 * abs(losses["reference"] - oracle) + ATOL[SHORT_DTYPES[shape["inputs"]["dtype"]]]
     out = {}
     for impl in impls:
         if impl in NO_LOSS_IMPLS:

@@ -62,6 +62,8 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_memory.py
 import torch
 
 from bench import harness
+from grpo_fast.benchmarking import synchronize
+from grpo_fast.dtypes import DTYPES  # torch's names: float32, bfloat16, float16
 from grpo_fast.memory.projection import Training
 
 CONFIGS = {
@@ -78,7 +80,6 @@ DEFAULT_DIR = "grpo_fast_bench"  # where a run writes without --csv: the committ
 PHASE_TAGS = {"rollout": "other", "prepare": "other", "forward": "activations", "backward": "activations",
               "optimizer": "optimizer"}
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "critic", "kv_cache", "other")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MIB = harness.MIB
 NOT_AVAILABLE = "skipped: not available (grpo_fast.shared_prefix_forward does not exist yet)"
 FULL_ONLY = "skipped: PPO runs with full fine-tuning and no activation checkpointing only"
@@ -207,10 +208,10 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        harness._sync(self.device)
+        synchronize(self.device)
         t0 = time.perf_counter()
         yield
-        harness._sync(self.device)
+        synchronize(self.device)
         self.ms[name].append((time.perf_counter() - t0) * 1e3)
 
 
@@ -356,7 +357,7 @@ def run_config(name: str, shape: dict, device: str, dtype: str, threads: int, re
     for _ in range(reps):
         t0 = time.perf_counter()
         setup.step(phase=timer.phase)
-        harness._sync(device)
+        synchronize(device)
         step_ms.append((time.perf_counter() - t0) * 1e3)
     result = dict(step_ms=statistics.median(step_ms), phase_ms={p: statistics.median(v) for p, v in timer.ms.items()},
                   **_cross_check_end(device, check))

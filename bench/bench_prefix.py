@@ -70,7 +70,7 @@ import torch
 
 from bench import harness
 from bench.models import get_model
-from grpo_fast.doctor import DTYPES
+from grpo_fast.dtypes import SHORT_DTYPES
 
 MODES = ("unshared", "shared")
 PROPORTIONS = "qwen2.5-0.5b"  # the architecture the benchmark model is a scaled-down copy of
@@ -252,10 +252,10 @@ def run_config(*, shape: dict, modes: list, check_first: bool, device: str, dtyp
     # of a process, not memory a training step needs (harness.measure)
     tiny = dict(make_batch(dict(shape, P=4, C=3, G=2, groups=1), device), G=2)
     for mode in modes:
-        training_loss(model, tiny, mode, DTYPES[dtype], backend).loss.backward()
+        training_loss(model, tiny, mode, SHORT_DTYPES[dtype], backend).loss.backward()
     model.zero_grad(set_to_none=True)
     for mode in modes:
-        result[mode] = time_mode(model, batch, mode, DTYPES[dtype], backend, warmup, reps, device)
+        result[mode] = time_mode(model, batch, mode, SHORT_DTYPES[dtype], backend, warmup, reps, device)
         model.zero_grad(set_to_none=True)
     return result
 
@@ -274,7 +274,7 @@ def _parse_args(argv=None):
                "  python -m bench.bench_prefix --replot                        # redraw the PNG from the CSV",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+    p.add_argument("--dtype", choices=["auto", *SHORT_DTYPES], default="auto",
                    help="compute dtype of the timed steps (autocast, float32 master weights); auto: fp32 on CPU, "
                         "bf16 on CUDA. The correctness guard always runs in fp32 against fp64")
     p.add_argument("--hidden", type=int, default=256, help="hidden size H, a multiple of 64 (default 256)")

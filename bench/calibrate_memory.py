@@ -151,7 +151,8 @@ def measure_step(method: str, dtype: str, training: Training = Training(),
                  shape: dict = CALIBRATION_SHAPE) -> StepBytes:
     """One tracked step of ``method`` on a small Qwen2 (vocabulary wider than the fused op's 4096-column chunks, so
     only real logits count as logits)."""
-    from bench.bench_memory import DTYPES, Shape, setup_config, tracked_step
+    from bench.bench_memory import Shape, setup_config, tracked_step
+    from grpo_fast.dtypes import DTYPES
 
     spec = Shape(**shape)
     name = "ppo" if METHODS[method]["ppo"] else ("grpo_fused" if METHODS[method]["fused"] else "grpo_reference")

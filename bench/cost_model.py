@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: python bench/cost_model.py
 import torch
 
 from bench import harness
-from grpo_fast.doctor import DTYPES
+from grpo_fast.dtypes import SHORT_DTYPES as DTYPES  # the short names: bf16, fp16, fp32
 from grpo_fast.kernels.launch import Target, capture
 from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB, linear_logprob_backward, linear_logprob_forward
 from grpo_fast.kernels.plan import Plan, Step

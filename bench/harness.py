@@ -2,11 +2,12 @@
 
 Every benchmark in ``bench/`` uses these pieces:
 
-- :func:`measure` times ``fn`` (``time.perf_counter``; ``torch.cuda.synchronize`` around each call on CUDA) and
-  reports the peak memory it needs beyond what was allocated before it ran. CUDA: the caching allocator's
-  ``max_memory_allocated`` minus ``memory_allocated`` before the first call. CPU: torch keeps no allocator statistics,
-  so freed heap memory is handed back to the OS (``malloc_trim``), the process's peak resident set (``VmHWM``) is
-  reset (``/proc/self/clear_refs``) and read back after the calls, minus the resident set before the first call.
+- :func:`measure` times ``fn`` (``grpo_fast.benchmarking.time_calls``: CUDA events on CUDA, ``time.perf_counter``
+  elsewhere, the device synchronised before each call) and reports the peak memory it needs beyond what was
+  allocated before it ran. CUDA: the caching allocator's ``max_memory_allocated`` minus ``memory_allocated`` before
+  the first call. CPU: torch keeps no allocator statistics, so freed heap memory is handed back to the OS
+  (``malloc_trim``), the process's peak resident set (``VmHWM``) is reset (``/proc/self/clear_refs``) and read back
+  after the calls, minus the resident set before the first call.
   RSS is per process, so a CPU measurement is only meaningful in a fresh process that holds nothing but the inputs:
   run each configuration through :func:`run_isolated`.
 - :func:`run_isolated` calls ``module:function(**params)`` in a fresh Python process and returns its dict. A crash
@@ -36,13 +37,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from grpo_fast.doctor import device_name, dist_version  # device_name: the benchmarks call harness.device_name
+# device_name: the benchmarks call harness.device_name (and tests replace it there)
+from grpo_fast.benchmarking import device_name, dist_version, synchronize, time_calls
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -111,11 +112,6 @@ def trim_heap() -> None:
         pass
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def measure(fn, *, warmup: int, reps: int, device, setup=None) -> Measurement:
     """Time ``fn()`` ``reps`` times after ``warmup`` untimed calls; peak extra memory over all of them.
 
@@ -127,7 +123,7 @@ def measure(fn, *, warmup: int, reps: int, device, setup=None) -> Measurement:
     if reps < 1 or warmup < 0:
         raise ValueError(f"measure: need reps >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
     device = torch.device(device)
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -139,17 +135,7 @@ def measure(fn, *, warmup: int, reps: int, device, setup=None) -> Measurement:
         base = rss_bytes()
         method = "rss_hwm"
 
-    times = []
-    for i in range(warmup + reps):
-        if setup is not None:
-            setup()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-
+    times = time_calls(fn, device=device, reps=reps, warmup=warmup, setup=setup)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
     return Measurement(
         median_ms=statistics.median(times),

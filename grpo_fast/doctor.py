@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import importlib.metadata
 import json
-import math
 import os
 import platform
 import shutil
@@ -37,6 +35,9 @@ import time
 from pathlib import Path
 
 import torch
+
+from grpo_fast.benchmarking import device_name, dist_version, liger_loss, synchronize, time_calls
+from grpo_fast.dtypes import SHORT_DTYPES, dtype_name
 
 DESCRIPTION = """\
 Check this machine for grpo-fast: versions (torch, triton, transformers, CUDA, driver), the devices, which
@@ -51,7 +52,6 @@ interpreter, for numerics only).
 """
 
 MIB = 1024 * 1024
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 AUTO_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 OPS = ("fused_logprobs", "grpo_loss", "grpo_loss_from_logps", "group_advantages")  # every op that calls resolve_impl
 QUANTITIES = ("loss", "logps", "d_hidden", "d_weight")
@@ -83,14 +83,6 @@ CUDA_SHAPES = (Shape("small", 2, 123, 256, 1151), Shape("medium", 4, 512, 1024, 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Versions, devices, the auto path
-
-
-def dist_version(dist: str) -> str | None:
-    """The installed version of distribution ``dist``, None when it is not installed."""
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _driver() -> str:
@@ -131,20 +123,6 @@ def versions() -> dict[str, str]:
         "grpo-fast": installed or f"{grpo_fast.__version__} (not installed: imported from {Path(grpo_fast.__file__).parent})",
         "liger-kernel": dist_version("liger-kernel") or "not installed",
     }
-
-
-def device_name(device) -> str:
-    """GPU name from torch, else the CPU model from /proc/cpuinfo (with the logical core count)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
-    except OSError:
-        pass
-    return f"{model} ({os.cpu_count()} cores)"
 
 
 def devices() -> list[dict]:
@@ -193,9 +171,9 @@ def auto_paths(device_names: list[str]) -> list[dict]:
             row = {"device": dev, "op": op}
             for dtype in AUTO_DTYPES:
                 try:
-                    row[str(dtype).removeprefix("torch.")] = resolve_impl("auto", torch.device(dev), op, dtype)
+                    row[dtype_name(dtype)] = resolve_impl("auto", torch.device(dev), op, dtype)
                 except Exception as e:  # noqa: BLE001 (reported, not fatal: it is what a user would hit)
-                    row[str(dtype).removeprefix("torch.")] = f"error: {type(e).__name__}: {e}"
+                    row[dtype_name(dtype)] = f"error: {type(e).__name__}: {e}"
             rows.append(row)
     return rows
 
@@ -205,43 +183,14 @@ def auto_paths(device_names: list[str]) -> list[dict]:
 
 
 def make_inputs(shape: Shape, device: torch.device, seed: int = 0) -> dict:
-    """Seeded inputs in float64 (cast per implementation). Uneven completion lengths (row 0 full); old and reference
-    log-probs are the float64 policy's plus noise of 0.3, so that some ratios clip and the KL term is not tiny."""
+    """Seeded inputs (``grpo_fast.testing.loss_inputs``) in float64, cast per implementation. Uneven completion
+    lengths (row 0 full); old and reference log-probs are the float64 policy's plus noise of 0.3, so that some ratios
+    clip and the KL term is not tiny."""
     from grpo_fast.reference import logprobs_reference
+    from grpo_fast.testing import loss_inputs
 
-    g = torch.Generator(device=device).manual_seed(seed)
-    kw = dict(generator=g, device=device, dtype=torch.float64)
-    B, T, H, V = shape.B, shape.T, shape.H, shape.V
-    hidden = torch.randn(B, T, H, **kw)
-    weight = torch.randn(V, H, **kw) / math.sqrt(H)
-    target_ids = torch.randint(0, V, (B, T), generator=g, device=device)
-    lengths = torch.randint(1, T + 1, (B,), generator=g, device=device)
-    lengths[0] = T
-    mask = torch.arange(T, device=device)[None, :] < lengths[:, None]
-    with torch.no_grad():
-        logps = logprobs_reference(hidden, weight, target_ids)
-    return dict(hidden=hidden, weight=weight, target_ids=target_ids, completion_mask=mask,
-                advantages=torch.randn(B, **kw).float(), old_logps=(logps + 0.3 * torch.randn(B, T, **kw)).float(),
-                ref_logps=(logps + 0.3 * torch.randn(B, T, **kw)).float())
-
-
-def liger_loss(config, compiled: bool = False):
-    """Liger-Kernel's ``LigerFusedLinearGRPOLoss`` configured as ``config`` (a ``GRPOLossConfig``): the baseline the
-    doctor and the benchmarks compare with. Every option Liger shares with GRPOLossConfig is passed explicitly, so a
-    default of either side never decides (Liger's ``use_bias_correction_kl`` defaults to False, TRL's and ours to
-    True)."""
-    from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss  # optional: only called when installed
-
-    return LigerFusedLinearGRPOLoss(beta=config.beta, epsilon_low=config.epsilon, epsilon_high=config.eps_high,
-                                    loss_type=config.loss_type.value, temperature=config.temperature,
-                                    max_completion_length=config.max_completion_length,
-                                    importance_sampling_level=config.importance_sampling_level,
-                                    delta=config.delta, use_bias_correction_kl=config.use_bias_correction_kl,
-                                    sapo_temperature_pos=config.sapo_temperature_pos,
-                                    sapo_temperature_neg=config.sapo_temperature_neg,
-                                    vespo_k_pos=config.vespo_k_pos, vespo_lambda_pos=config.vespo_lambda_pos,
-                                    vespo_k_neg=config.vespo_k_neg, vespo_lambda_neg=config.vespo_lambda_neg,
-                                    use_ref_model=config.beta != 0.0, compiled=compiled, chunk_size=1)
+    return loss_inputs(shape.B, shape.T, shape.H, shape.V, seed=seed, device=device, draw_dtype=torch.float64,
+                       full_first_row=True, logps_center=logprobs_reference, logps_noise=0.3, old_logps=True)
 
 
 def make_step(impl: str, x: dict, dtype: torch.dtype):
@@ -271,23 +220,14 @@ def make_step(impl: str, x: dict, dtype: torch.dtype):
     return step
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_steps(step, device: torch.device, reps: int) -> tuple[float, int | None]:
-    """Median milliseconds of ``reps`` calls and (CUDA) the peak allocated memory beyond what existed before them."""
-    _sync(device)
+    """Median milliseconds of ``reps`` calls (``grpo_fast.benchmarking.time_calls``: CUDA events on CUDA) and (CUDA)
+    the peak allocated memory beyond what existed before them."""
+    synchronize(device)
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
+    times = time_calls(step, device=device, reps=reps)
     peak = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else None
     return statistics.median(times), peak
 
@@ -336,7 +276,7 @@ def self_check(device: torch.device, dtype: torch.dtype, shapes, budget_s: float
     seconds_per_work = None  # the float64 oracle's time per B*T*H*V, measured on the first shape
     for shape in shapes:
         shape = _fit(shape, device, dtype)
-        base = dict(shape=shape.name, size=shape.label, dtype=str(dtype).removeprefix("torch."))
+        base = dict(shape=shape.name, size=shape.label, dtype=dtype_name(dtype))
         work = shape.B * shape.T * shape.H * shape.V
         # the budget holds also for a shape's first steps: skip a shape whose float64 oracle alone (projected from
         # the last shape's, by its size: slow where float64 is, on consumer GPUs) would not fit what is left
@@ -351,7 +291,7 @@ def self_check(device: torch.device, dtype: torch.dtype, shapes, budget_s: float
         x = make_inputs(shape, device)
         t0 = time.perf_counter()
         ref = make_step("reference", x, torch.float64)()  # the float64 oracle
-        _sync(device)
+        synchronize(device)
         seconds_per_work = (time.perf_counter() - t0) / work
         outs = {}
         for impl in impls:
@@ -375,7 +315,7 @@ def _check_one(row, impl, x, dtype, ref, outs, device, reps, deadline) -> None:
         step = make_step(impl, x, dtype)
         t0 = time.perf_counter()
         out = step()  # also the warm-up: compiles the kernels
-        _sync(device)
+        synchronize(device)
         first_s = time.perf_counter() - t0
         outs[impl] = {q: None if v is None else v.detach().clone() for q, v in out.items()}
         del out
@@ -424,7 +364,7 @@ TABLE_HEADER = (f"  {'shape':<7}{'B x T x H x V':>22}  {'impl':<10}{'check':<8}{
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None,
                    help="device of the self-check: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+    p.add_argument("--dtype", choices=sorted(SHORT_DTYPES), default=None,
                    help="dtype of the self-check (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--shapes", nargs="+", choices=[s.name for s in CPU_SHAPES], default=None, metavar="NAME",
                    help="which of the shapes small, medium, large to check (default: all three)")
@@ -499,7 +439,7 @@ def run(args: argparse.Namespace, log=print) -> int:
     except ValueError as e:
         print(f"grpo-fast doctor: error: {e}", file=sys.stderr)
         return 2
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    dtype = SHORT_DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "versions": versions(), "devices": devices(),
               "tf32": tf32_state()}
     log("grpo-fast doctor\n\nversions")
@@ -514,7 +454,7 @@ def run(args: argparse.Namespace, log=print) -> int:
     log('\nimpl="auto" resolves to (grpo_fast.dispatch.resolve_impl("auto", device, op, dtype))')
     log("  TF32 matmuls (float32 GEMMs on CUDA follow them): "
         + ", ".join(f"{k} = {v!r}" for k, v in report["tf32"].items()))
-    names = [str(t).removeprefix("torch.") for t in AUTO_DTYPES]
+    names = [dtype_name(t) for t in AUTO_DTYPES]
     log(f"  {'device':<8}{'op':<22}" + "".join(f"{n:<10}" for n in names))
     for r in report["auto"]:
         log(f"  {r['device']:<8}{r['op']:<22}" + "".join(f"{r[n]:<10}" for n in names))
@@ -524,7 +464,7 @@ def run(args: argparse.Namespace, log=print) -> int:
         shapes = CUDA_SHAPES if device.type == "cuda" else CPU_SHAPES
         shapes = [s for s in shapes if args.shapes is None or s.name in args.shapes]
         reps = args.reps or (5 if device.type == "cuda" else 3)
-        log(f"\nself-check on {device} ({device_name(device)}), {str(dtype).removeprefix('torch.')}: grpo_loss "
+        log(f"\nself-check on {device} ({device_name(device)}), {dtype_name(dtype)}: grpo_loss "
             f"forward+backward ({LOSS['loss_type']}, beta {LOSS['beta']}); err vs the float64 reference, worst of "
             f"{', '.join(QUANTITIES)}; bound = 2 * err(reference at this dtype) + atol (grpo_fast.testing)")
         log(TABLE_HEADER)
@@ -535,9 +475,9 @@ def run(args: argparse.Namespace, log=print) -> int:
         liger_failures = [r for r in rows if r["status"] == "FAIL" and r["impl"] == "liger"]
         skipped = [r for r in rows if r["status"] == "skipped"]
         if device.type == "cuda" and not any(r["impl"] == "triton" and r["status"] == "ok" for r in rows):
-            failures.append(dict(impl="triton", shape="any", size="-", dtype=str(dtype).removeprefix("torch."),
+            failures.append(dict(impl="triton", shape="any", size="-", dtype=dtype_name(dtype),
                                  message="no Triton row completed within the budget (raise --budget)"))
-        report["self_check"] = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "reps": reps,
+        report["self_check"] = {"device": str(device), "dtype": dtype_name(dtype), "reps": reps,
                                 "budget_s": args.budget, "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
         if device.type == "cpu":
             log("\nnote: this checked the torch path. The Triton path needs a CUDA GPU; on a CPU impl='auto' runs the "

@@ -24,10 +24,11 @@ import math
 import pytest
 import torch
 
-from bench.bench_loss import make_inputs
 from bench.models import get_model
 from grpo_fast import GRPOLossConfig, fused_logprobs, group_advantages, grpo_loss
-from grpo_fast.testing import assert_close_rule
+from grpo_fast.benchmarking import synchronize
+from grpo_fast.dtypes import SHORT_DTYPES
+from grpo_fast.testing import assert_close_rule, loss_inputs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = {"cpu": "fp32", "cuda": "bf16"}[DEVICE]
@@ -65,7 +66,7 @@ def _sync(fn):
 
     def synced():
         out = fn()
-        torch.cuda.synchronize()
+        synchronize(DEVICE)
         return out
 
     return synced
@@ -78,13 +79,15 @@ def size(request):
 
 @pytest.fixture(scope="module")
 def inputs(size):
-    """Seeded loss-head inputs of ``size``: hidden ``[B, T, H]``, weight ``[V, H]`` (requires_grad), target_ids,
+    """Seeded loss-head inputs of ``size`` (``grpo_fast.testing.loss_inputs``, as ``bench.bench_loss`` draws them,
+    completions at least half of T): hidden ``[B, T, H]``, weight ``[V, H]`` (requires_grad), target_ids,
     completion_mask, advantages ``[B]``, ref_logps ``[B, T]``, plus ``grad_logps``: an upstream gradient ``[B, T]``,
     and the size's name."""
     model, div, batch, seq = SIZES[size]
     shape = get_model(model)
-    x = make_inputs(batch, seq, shape.hidden_size // div, shape.vocab_size // div, DTYPE, DEVICE, SEED,
-                    min_completion_frac=0.5)
+    x = loss_inputs(batch, seq, shape.hidden_size // div, shape.vocab_size // div, seed=SEED, device=DEVICE,
+                    dtype=SHORT_DTYPES[DTYPE], min_length=math.ceil(0.5 * seq), mask_dtype=torch.int64,
+                    requires_grad=True)
     g = torch.Generator(device=DEVICE).manual_seed(SEED + 1)
     x["grad_logps"] = torch.randn(batch, seq, generator=g, device=DEVICE)
     x["size"] = size
@@ -165,7 +168,7 @@ def test_fused_logprobs_forward_backward(benchmark, impl, size, inputs):
 
 # ------------------------------------------------------------------------------------------------------ grpo_loss
 def _liger_loss(x: dict, config: GRPOLossConfig) -> torch.Tensor:
-    from grpo_fast.doctor import liger_loss
+    from grpo_fast.benchmarking import liger_loss
 
     liger = liger_loss(config)
     loss, _metrics = liger(x["hidden"], x["weight"], x["target_ids"], x["completion_mask"], x["advantages"],

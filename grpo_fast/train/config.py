@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpo_fast.config import GRPOLossConfig
+from grpo_fast.dtypes import DTYPES
 
 # the loss fields the trainer sets itself (from the sampling temperature, the model and max_new_tokens)
 TRAINER_OWNED_LOSS_FIELDS = ("temperature", "softcap", "max_completion_length")
@@ -188,7 +189,7 @@ class TrainConfig:
 
     def validate(self):
         choices = {
-            "dtype": ("auto", "float32", "bfloat16", "float16"),
+            "dtype": ("auto", *DTYPES),
             "impl": ("auto", "torch", "triton", "reference"),
             "shared_prefix": ("auto", "on", "off"),
             "token_mean": ("micro_batch", "generation"),

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from grpo_fast import fused_logprobs
+from grpo_fast.dtypes import DTYPES
 from grpo_fast.train.checkpoint import check_weights
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.forward import decoder_of, head_of, position_ids_from_mask, unwrap
@@ -51,7 +52,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The compute dtype: bfloat16 on CUDA and float32 on CPU for "auto"."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
+    return DTYPES[name]  # one of torch's names: TrainConfig validated it
 
 
 def autocast(device: torch.device, dtype: torch.dtype):

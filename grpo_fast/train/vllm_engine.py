@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
+from grpo_fast.dtypes import NAMES as DTYPE_NAMES  # torch.bfloat16 -> "bfloat16", vLLM's dtype argument
 from grpo_fast.train.forward import unwrap
 from grpo_fast.train.rollout import Rollout, SamplingParams
 
-DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 BLOCK_SIZE = 32  # tokens per KV block: a multiple of 32 on the CPU backend; the unit prefix caching shares
 
 
@@ -164,7 +164,7 @@ class VLLMEngine:
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it by a no-op for the whole process
         try:
             self.llm = _start(LLM,
-                model=self._tmp.name, skip_tokenizer_init=True, dtype=DTYPES[dtype], seed=seed,
+                model=self._tmp.name, skip_tokenizer_init=True, dtype=DTYPE_NAMES[dtype], seed=seed,
                 enforce_eager=cpu if enforce_eager is None else enforce_eager,  # CPU: no 60 s inductor compile
                 block_size=BLOCK_SIZE, enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                 max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
@@ -175,7 +175,7 @@ class VLLMEngine:
         self.startup_s = time.perf_counter() - t0
         import vllm
 
-        self.version, self.dtype_name = vllm.__version__, DTYPES[dtype]
+        self.version, self.dtype_name = vllm.__version__, DTYPE_NAMES[dtype]
         self.cached_prompt_tokens = 0
         self.sleep_mode = enable_sleep_mode
         self.asleep = self.weights_awake = False
