@@ -4,7 +4,7 @@ Computes what ``grpo_fast.loss_torch.grpo_loss_terms`` computes (TRL 1.16 semant
 owns one row b of the ``[B, T]`` inputs and walks T in BLOCK_T blocks, in up to three passes:
   1. the row's token count and, for sequence-level importance sampling / VESPO, the sums of log-ratios;
   2. per token: the ratio, the policy term, the KL, the weighted loss, ``d loss / d logp`` (direct part and
-     ``d loss / d r``), and the metric flags; row partial sums go to ``row_out [B, 6]``;
+     ``d loss / d r``), and the metric flags; row partial sums go to ``row_out [B, ROW_COLS]``;
   3. sequence level only: adds ``r_b * sum_t(d loss / d r_t) * m_t / len_b`` to ``d loss / d logp``.
 The host sums ``row_out`` over B (deterministic: no atomics). Memory traffic: each ``[B, T]`` input is read once per
 pass (twice or three times for sequence level), ``dlogp`` written once (read-modify-written in pass 3).
@@ -37,16 +37,21 @@ from grpo_fast.config import LossType
 from grpo_fast.kernels.launch import launch
 from grpo_fast.loss_torch import LossTerms, entropy_bonus, high_entropy_mask, loss_scale
 
-# loss_type codes (grpo_fast.config.LossType order is irrelevant: the launcher maps by name)
-CLIP, CISPO, SAPO, VESPO = 0, 1, 2, 3
-# columns of row_out
-ROW_LOSS, ROW_KL, ROW_LOW, ROW_HIGH, ROW_REGION, ROW_TOKENS = 0, 1, 2, 3, 4, 5
-ROW_COLS = 6
+# loss_type codes: the formula the kernel takes (the launcher maps a LossType by name, whatever LossType's order)
+CLIP = tl.constexpr(0)  # the clip family: grpo, bnpo, dr_grpo, dapo, luspo
+CISPO = tl.constexpr(1)
+SAPO = tl.constexpr(2)
+VESPO = tl.constexpr(3)
+# the columns of row_out: one row of partial sums per sequence, summed over B by the launcher
+ROW_LOSS = tl.constexpr(0)
+ROW_KL = tl.constexpr(1)
+ROW_LOW = tl.constexpr(2)
+ROW_HIGH = tl.constexpr(3)
+ROW_REGION = tl.constexpr(4)
+ROW_TOKENS = tl.constexpr(5)
+ROW_COLS = tl.constexpr(6)
 LOG_1E8 = tl.constexpr(math.log(1e-8))  # VESPO's lower clamp of log-weights (TRL: log(1e-8))
-# One tile width for every T (a second one would double the specialisations). 512 elements over 8 warps is 2 per
-# thread: the static gate (bench/kernel_report.py) finds no spills on any target, fp32 or fp64 (60-64 / 96-119
-# registers on sm_90a/100a/120). 1024 over 8 warps spilled 8-16 bytes in fp32 on sm_100a and sm_120, whose ptxas
-# held it to 80 registers; 4 warps put fp64 at the 255-register cap with spills on sm_90a.
+# One tile width for every T, 512 over 8 warps: docs/kernels.md, "Tile choices" (why, and what the static gate found).
 BLOCK_T = 512
 NUM_WARPS = 8
 SPECIALISATIONS_PER_DTYPE = 3  # T % 16 == 0, T == 1, any other T (see the header)
@@ -67,7 +72,7 @@ def _grpo_loss_kernel(
     row_out_ptr,  # [B, ROW_COLS] out: loss and metric partial sums per row
     T,
     B,
-    loss_type: tl.int32,  # 0 clip family, 1 cispo, 2 sapo, 3 vespo
+    loss_type: tl.int32,  # CLIP, CISPO, SAPO or VESPO
     seq_level: tl.int32,
     norm_global: tl.int32,  # 0: w = m / (len_b * B); 1: w = m * inv_norm
     has_old: tl.int32,
@@ -108,7 +113,7 @@ def _grpo_loss_kernel(
     k_neg = tl.full((), k_neg, tl.float64).to(dtype)
     lam_neg = tl.full((), lam_neg, tl.float64).to(dtype)
     seq = seq_level != 0
-    vespo = loss_type == 3
+    vespo = loss_type == VESPO
 
     # pass 1: token count, sum of log-ratios (sequence level), VESPO's clamped sums
     n_tok = tl.zeros((BLOCK_T,), dtype)
@@ -167,7 +172,7 @@ def _grpo_loss_kernel(
         else:
             r = tl.exp(tl.where(m, logp - old, 0.0))
 
-        if loss_type == 0:  # clip family: -min(r1 A, r2 A), autograd's tie rule (half to each side)
+        if loss_type == CLIP:  # clip family: -min(r1 A, r2 A), autograd's tie rule (half to each side)
             r2 = tl.minimum(tl.maximum(r, clip_low), clip_high)
             dr2 = ((r >= clip_low) & (r <= clip_high)).to(dtype)
             r1 = tl.where(r > delta, delta, r)  # min(r, delta); delta = +inf leaves r (NaN included) unchanged
@@ -180,14 +185,14 @@ def _grpo_loss_kernel(
             dp_dlogp = zero
             is_low = (r1 < clip_low) & (adv < 0)  # TRL counts clipping on the delta-clamped ratio
             is_high = (r1 > clip_high) & (adv > 0)
-        elif loss_type == 1:  # cispo: -min(r, eps_high).detach() * A * logp
+        elif loss_type == CISPO:  # cispo: -min(r, eps_high).detach() * A * logp
             c = tl.minimum(r, eps_high)
             policy = -c * adv * logp
             dp_dr = zero
             dp_dlogp = -c * adv
             is_low = zero != zero
             is_high = (r > eps_high) & (adv > 0)
-        elif loss_type == 2:  # sapo: -sigmoid(tau (r - 1)) * 4 / tau * A
+        elif loss_type == SAPO:  # sapo: -sigmoid(tau (r - 1)) * 4 / tau * A
             tau = tl.where(adv > 0, tau_pos, tau_neg)
             sig = 1.0 / (1.0 + tl.exp(-tau * (r - 1.0)))
             policy = -sig * 4.0 / tau * adv
@@ -212,7 +217,7 @@ def _grpo_loss_kernel(
         if has_ent_mask != 0:
             em = tl.load(ent_mask_ptr + base + offs, mask=inb, other=0) != 0
             mult = mult * em.to(dtype)
-        if (has_ratio != 0) & (loss_type != 3):
+        if (has_ratio != 0) & (loss_type != VESPO):
             if ratio_per_token != 0:
                 sr = tl.load(ratio_ptr + base + offs, mask=inb, other=1.0)
             else:
@@ -264,27 +269,28 @@ def _grpo_loss_kernel(
     if seq & (adv_per_token == 0):
         # one flag per sequence (TRL logs the mean over sequences, all-masked ones included)
         adv_row = tl.load(adv_ptr + row)
-        if loss_type == 0:
+        if loss_type == CLIP:
             r_seen = tl.where(r_seq > delta, delta, r_seq)
             low_sum = ((r_seen < clip_low) & (adv_row < 0)).to(dtype)
             high_sum = ((r_seen > clip_high) & (adv_row > 0)).to(dtype)
-        elif loss_type == 1:
+        elif loss_type == CISPO:
             low_sum = (adv_row != adv_row).to(dtype)
             high_sum = ((r_seq > eps_high) & (adv_row > 0)).to(dtype)
         region_sum = tl.maximum(low_sum, high_sum)
-    out = row_out_ptr + row * 6
-    tl.store(out + 0, tl.sum(loss_acc, 0))
-    tl.store(out + 1, tl.sum(kl_acc, 0))
-    tl.store(out + 2, low_sum)
-    tl.store(out + 3, high_sum)
-    tl.store(out + 4, region_sum)
-    tl.store(out + 5, length)
+    out = row_out_ptr + row * ROW_COLS
+    tl.store(out + ROW_LOSS, tl.sum(loss_acc, 0))
+    tl.store(out + ROW_KL, tl.sum(kl_acc, 0))
+    tl.store(out + ROW_LOW, low_sum)
+    tl.store(out + ROW_HIGH, high_sum)
+    tl.store(out + ROW_REGION, region_sum)
+    tl.store(out + ROW_TOKENS, length)
 
 
 def _loss_type_code(loss_type) -> int:
+    """The kernel's ``loss_type`` argument for a ``LossType``."""
     if loss_type.is_clip_family:
-        return CLIP
-    return {LossType.CISPO: CISPO, LossType.SAPO: SAPO, LossType.VESPO: VESPO}[loss_type]
+        return CLIP.value
+    return {LossType.CISPO: CISPO, LossType.SAPO: SAPO, LossType.VESPO: VESPO}[loss_type].value
 
 
 def _as_torch_where(value: float, low: float | None = None) -> float:
@@ -317,7 +323,7 @@ def grpo_loss_terms_triton(
         ent_mask = high_entropy_mask(entropy, mask, config.top_entropy_quantile)
     norm_global = config.loss_type not in (LossType.GRPO, LossType.SAPO)
     dlogp = torch.empty_like(logp)
-    row_out = torch.empty(B, ROW_COLS, dtype=dtype, device=logp.device)
+    row_out = torch.empty(B, ROW_COLS.value, dtype=dtype, device=logp.device)
     inv_norm = loss_scale(config, m, num_items_in_batch).reshape(()) if norm_global else row_out  # else never read
     mask_u8 = mask.to(torch.uint8).contiguous()
     launch(
@@ -337,20 +343,21 @@ def grpo_loss_terms_triton(
         _as_torch_where(config.vespo_k_neg), _as_torch_where(config.vespo_lambda_neg, 1e-4),
         BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=1,
     )
-    loss = row_out[:, ROW_LOSS].sum()
-    tokens = row_out[:, ROW_TOKENS].sum().clamp(min=1.0)
+    column = lambda col: row_out[:, col.value]  # noqa: E731  (col: a ROW_* constant)
+    loss = column(ROW_LOSS).sum()
+    tokens = column(ROW_TOKENS).sum().clamp(min=1.0)
     dentropy = None
     if config.entropy_coef != 0.0:
         bonus, dentropy = entropy_bonus(entropy, m, ent_mask, config.entropy_coef)
         loss = loss + bonus
 
     per_sequence = config.sequence_level and not adv_per_token
-    ratio_mean = (lambda col: row_out[:, col].mean()) if per_sequence else (lambda col: row_out[:, col].sum() / tokens)
+    ratio_mean = (lambda col: column(col).mean()) if per_sequence else (lambda col: column(col).sum() / tokens)
     low = high = region = None
     if config.loss_type.is_clip_family:
         low, high, region = ratio_mean(ROW_LOW), ratio_mean(ROW_HIGH), ratio_mean(ROW_REGION)
     elif config.loss_type == LossType.CISPO:
         high = ratio_mean(ROW_HIGH)
-    kl = row_out[:, ROW_KL].sum() / tokens if config.beta != 0.0 else None
+    kl = column(ROW_KL).sum() / tokens if config.beta != 0.0 else None
     ent = None if entropy is None else torch.where(mask, entropy, 0.0).sum() / tokens
     return LossTerms(loss, dlogp, dentropy, kl, ent, low, high, region)
