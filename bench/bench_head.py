@@ -7,7 +7,7 @@ For every shape (N tokens, hidden size H, vocabulary V; bf16) on the current CUD
     random upstream gradient ``g [N]`` (``--entropy``: also the entropy, with its own random upstream gradient), both
     hidden ``[N, H]`` and weight ``[V, H]`` requiring grad; the gradients are dropped before every call, so each call
     allocates its own as a training step does;
-(b) the floor the issue measures it against: the three bare lm_head GEMMs of a step, ``logits = h @ W^T``,
+(b) the floor it is measured against: the three bare lm_head GEMMs of a step, ``logits = h @ W^T``,
     ``dh = dlogits @ W``, ``dW = dlogits^T @ h`` (6 N H V FLOPs), with a bf16 ``dlogits`` of the logits' shape. When
     the ``[N, V]`` logits and ``dlogits`` do not fit in free memory, the GEMMs run over vocabulary chunks (the same
     6 N H V FLOPs, ``dh`` accumulated chunk by chunk) and the row says so (``gemm_chunks`` > 1).
@@ -405,7 +405,7 @@ def dry_run(args) -> int:
     elif torch.cuda.is_available():
         profile, how = _cuda_profile(args)
     else:
-        profile, how = "h100", "no GPU here: the issue's reference profile"
+        profile, how = "h100", "no GPU here: the reference profile of the targets (docs/design.md §7)"
     out = Outputs(args.csv, args.md)
     for shape in args.shapes:
         row = _base_row(shape, profile, how, args)
