@@ -17,30 +17,31 @@ in the input dtype, then ``dW[c0:c0+C] = dz^T @ h`` is one GEMM with K = the act
 ``V x H`` buffer, no atomics, deterministic) and ``dh += dz @ W[c0:c0+C]`` is one GEMM accumulating into an fp32
 ``[rows, H]`` matrix (``out_dtype``: fp32 accumulation inside cuBLAS, no rounded product, no second pass); ``db`` is a
 column sum. Launches: ``4 V / C`` plus a handful. FLOPs: ``8 N H V`` with the forward. Without a weight gradient (a
-frozen lm_head) the rows go in stripes instead, each over the whole vocabulary (``_rows_outer``).
+frozen lm_head) the rows go in stripes instead, each over the whole vocabulary, with a d-hidden accumulator of their
+own.
 
 Memory. Temporaries stay within ``scratch_bytes()`` (64 MiB unless ``GRPO_FAST_SCRATCH_MIB`` says otherwise; the one
-exception below). The forward's logits buffer takes the budget. With a weight gradient the backward walks the
-vocabulary from the end and keeps its ``dz`` buffer in grad_weight's rows not yet written (wider chunks, no memory);
-the first rows go through a budget-sized buffer. The gathered active rows live in grad_hidden's storage until the
-end. The fp32 ``dh`` accumulator (``4 rows H`` bytes: docs/design.md §5 accumulates ``dh`` in fp32, and a vocabulary-outer
-sweep holds it for every row) is a temporary when it is at most half the budget; else it lives in the gradients' own
-storage, in grad_hidden's free bytes and then in the last rows of grad_weight, whose ``dW`` is recomputed once the
-accumulator is cast (``backward_layout``: 0.22 NHV more FLOPs at N = 16384, V = 151936). The exception: when those
-rows are too few (16-bit inputs, more active rows than vocabulary rows) the accumulator is a temporary over budget.
+exception below). Where every temporary lives, the ``dz`` buffers in grad_weight's unwritten rows and the fp32
+``dh`` accumulator (docs/design.md §5) in a temporary or in the gradients' own storage, is planned from sizes alone by
+``grpo_fast.kernels.logprob_layout`` (its docstring maps the bytes at N = 16384, H = 4096, V = 151936): the launchers
+here only walk the layouts it returns (``forward_layout``, ``backward_layout``). The exception: when grad_weight's
+tail cannot hold the accumulator's share (16-bit inputs, more active rows than vocabulary rows), the accumulator is a
+temporary over the budget.
 
 The plan. Every GEMM, kernel and torch op goes through a ``plan.Plan``, which records it; ``bench/cost_model.py``
-prices the plan these same functions produce on meta tensors for a named GPU.
+prices the plan these same functions produce on meta tensors for a named GPU. Each kernel declares what a launch
+reads and writes right below the kernels (``plan.traffic``), so a call site passes only the launch's arguments.
 
 Specialisations. Only the input dtype, RETURN_ENTROPY and the tile sizes are constexprs; bias, softcap and which
 upstream gradients exist are runtime flags; sizes and chunk offsets are not specialised. Under TRITON_INTERPRET=1 the
-kernels run as they are (no ``tl.dot``: bf16 is exact in the interpreter too).
+kernels run as they are (no ``tl.dot``: bf16 is exact in the interpreter too). The kernels' line numbers are part of
+Triton's cache key (``JITFunction.cache_key``), which keys the static gate's CSV: lines above them shift them, and
+every launch then reads as missing from ``bench/results/kernel_report.csv``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
@@ -50,12 +51,11 @@ import triton.language as tl
 from grpo_fast import dispatch
 from grpo_fast.dispatch import triton_interpreting
 from grpo_fast.kernels.launch import capturing, current_sms, current_target
-from grpo_fast.kernels.plan import Plan
+from grpo_fast.kernels.logprob_layout import (DEFAULT_SCRATCH_MIB, AccHome, StripeWalk, backward_layout,  # noqa: F401
+                                              forward_layout, scratch_bytes)
+from grpo_fast.kernels.plan import Plan, traffic
 
 logger = logging.getLogger("grpo_fast")
-DEFAULT_SCRATCH_MIB = 64
-_CHUNK_ALIGN = 128  # vocabulary chunks are multiples of this many columns (GEMM-friendly, whole column tiles)
-_MAX_CHUNK = 16384  # a chunk kept in grad_weight's free rows is at most this wide
 
 
 @triton.jit
@@ -210,6 +210,32 @@ def _chunk_dlogits(
     tl.store(ptrs, dz.to(z_ptr.dtype.element_ty), mask=mask)
 
 
+# ------------------------------------------------------------------------------------------------ traffic
+# What each launch reads and writes (the tensors, from the launch's own arguments): ``Plan.kernel`` records their
+# bytes, so a call site describes a launch once.
+@traffic(_chunk_stats)
+def _chunk_stats_traffic(z, b, y, m, s, t, zy, n, c, c0, stride_z, split, inv_temp, softcap, first, has_bias,
+                         has_softcap, *, RETURN_ENTROPY, **_):
+    """The chunk's logits, its bias columns, the targets and (after the first chunk) the running statistics in;
+    the statistics and the target logits out."""
+    carried = () if first else (m, s, t if RETURN_ENTROPY else None)
+    return (z, b[c0:c0 + c] if has_bias else None, y, *carried), (m, s, t if RETURN_ENTROPY else None, zy)
+
+
+@traffic(_stats_finalize)
+def _stats_finalize_traffic(m, s, t, zy, logp, ent, mo, logs, n, splits, *, RETURN_ENTROPY, **_):
+    """The partial statistics and target logits in; logp, entropy, m and log s out."""
+    return (m, s, t if RETURN_ENTROPY else None, zy), (logp, ent if RETURN_ENTROPY else None, mo, logs)
+
+
+@traffic(_chunk_dlogits)
+def _chunk_dlogits_traffic(z, b, y, m, log_s, ent, g, ge, r, c, c0, stride_z, inv_temp, softcap, has_bias,
+                           has_softcap, has_g, has_ge, **_):
+    """The chunk's logits (rewritten in place as d logits), its bias columns and the per-row vectors it uses."""
+    return ((z, b[c0:c0 + c] if has_bias else None, y if has_g else None, m, log_s, ent if has_ge else None,
+             g if has_g else None, ge if has_ge else None), (z,))
+
+
 # ------------------------------------------------------------------------------------------------ configurations
 @dataclass(frozen=True)
 class TileConfig:
@@ -220,12 +246,7 @@ class TileConfig:
     num_warps: int
 
 
-# (GPU family, N bucket) -> configuration of the memory-bound kernels. The kernels stream the chunk buffer once, so
-# the tile only has to keep loads coalesced (256 contiguous columns: 512 bytes of bf16 per row) and registers low;
-# 16 rows per program: the gate found 32-row tiles spilling on NVIDIA targets (32 x 256 / 8 warps: _chunk_stats
-# 8-728 bytes and _chunk_dlogits 8-40 bytes on every one; 32 x 128: at 4 warps everywhere, at 8 on sm_90a/sm_120),
-# 16-row tiles not (at most 251 registers); large N gets 8 warps. Held by the static gate (no spills, shared memory
-# within limits) on every target of the family; not tuned on hardware.
+# (GPU family, N bucket) -> tile of the memory-bound kernels; why these tiles: docs/kernels.md, "Tile choices"
 N_BUCKETS = ((4096, "small"), (None, "large"))
 _SMALL = TileConfig(16, 256, 4)
 _LARGE = TileConfig(16, 256, 8)
@@ -255,100 +276,34 @@ def column_splits(n: int, c: int, cfg: TileConfig, sms: int) -> int:
     return max(1, min(triton.cdiv(2 * sms, row_blocks), triton.cdiv(c, cfg.block_c)))
 
 
-def scratch_bytes() -> int:
-    """The temporaries budget of the log-prob launchers: ``GRPO_FAST_SCRATCH_MIB`` MiB (default 64)."""
-    raw = os.environ.get("GRPO_FAST_SCRATCH_MIB", str(DEFAULT_SCRATCH_MIB))
-    try:
-        mib = float(raw)
-    except ValueError:
-        mib = -1.0
-    if not mib > 0:
-        raise ValueError(f"GRPO_FAST_SCRATCH_MIB must be a positive number of MiB, got {raw!r}")
-    return int(mib * 2**20)
-
-
-def _align16(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of 16 (cuBLAS and vector loads want 16-byte aligned rows)."""
-    return -(-nbytes // 16) * 16
-
-
-def budget_chunk(rows: int, elem: int, v: int, budget: int) -> int:
-    """The widest vocabulary chunk whose ``[rows, C]`` buffer of ``elem``-byte elements fits ``budget`` (a multiple
-    of 128 columns, at least 128, at most V)."""
-    c = budget // max(rows * elem, 1) // _CHUNK_ALIGN * _CHUNK_ALIGN
-    return min(v, max(_CHUNK_ALIGN, c))
-
-
 @dataclass(frozen=True)
-class BackwardLayout:
-    """Where the backward keeps its large temporaries and how it walks the vocabulary.
+class RowVectors:
+    """The ``[rows]`` vectors a backward reads for the rows it walks: target ids, the forward's m and log s, its
+    entropy (None without an entropy gradient), and the upstream gradients g and ge (None where absent)."""
 
-    chunks: ``(c0, c1, in_weight)`` in order; ``in_weight``: the ``dz`` buffer lives in rows ``[0, ceil(rows C / H))``
-    of grad_weight, below every row written so far and below the tail. tail: rows ``[V - tail, V)`` of grad_weight
-    hold part of the fp32 ``dh`` accumulator during the sweep; their ``dW`` is recomputed afterwards (``recompute``
-    chunks, budget buffer, all rows). acc: "none", "gradient" (fp32 inputs: grad_hidden itself), "scratch" or
-    "split" (rows ``[0, acc_lo)`` in grad_hidden's free bytes from byte ``acc_offset``, the rest in the tail).
-    budget_chunk: the width of the budget-sized buffer's chunks (0: none)."""
+    targets: torch.Tensor
+    m: torch.Tensor
+    log_s: torch.Tensor
+    entropy: torch.Tensor | None
+    g: torch.Tensor | None
+    ge: torch.Tensor | None
 
-    chunks: tuple[tuple[int, int, bool], ...]
-    tail: int = 0
-    acc: str = "none"
-    acc_lo: int = 0
-    acc_offset: int = 0
-    recompute: tuple[tuple[int, int], ...] = ()
-    budget_chunk: int = 0
-    recompute_chunk: int = 0
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return self.targets, self.m, self.log_s, self.entropy, self.g, self.ge
 
+    def row_bytes(self) -> int:
+        """Bytes of one row of the vectors present: what gathering them takes per row."""
+        return sum(x.element_size() for x in self.tensors() if x is not None)
 
-def backward_layout(n: int, rows: int, h: int, v: int, elem: int, budget: int, *, gathered: bool, need_hidden: bool,
-                    need_weight: bool) -> BackwardLayout:
-    """The layout of a backward over ``rows`` active rows (of ``n``) of ``elem``-byte inputs within ``budget`` bytes
-    of temporaries (see ``BackwardLayout``). The fp32 accumulator (``4 rows H`` bytes) goes to the temporaries when
-    it takes at most half the budget (the rest is the buffer's), else into the gradients' own storage: the bytes of
-    grad_hidden that the gathered rows do not occupy, and the tail of grad_weight, whose rows are recomputed at the
-    end (``2 n H tail`` more FLOPs); when it needs the tail and there is no grad_weight, it stays a temporary (over
-    the budget)."""
-    acc, acc_lo, acc_offset, tail = "none", 0, 0, 0
-    if need_hidden:
-        acc = "gradient" if elem == 4 and not gathered else "scratch"
-    if acc == "scratch" and 4 * rows * h > budget // 2:
-        acc_offset = _align16(rows * h * elem) if gathered else 0  # the gathered rows come first
-        acc_lo = max(0, min(rows, (n * h * elem - acc_offset) // (4 * h)))
-        tail = 0
-        if acc_lo < rows:
-            tail = -(-(rows - acc_lo) * 4 // elem)
-            while (v - tail) * h * elem % 16:  # the accumulator's rows start 16-byte aligned
-                tail += 1
-        if tail == 0 or (need_weight and tail < v):
-            acc = "split"
-        else:
-            acc_lo, acc_offset, tail = 0, 0, 0
-    if acc == "scratch":
-        budget = max(budget - 4 * rows * h, 0)
-    small = budget_chunk(rows, elem, v, budget)
+    def gather(self, plan: Plan, rows: torch.Tensor) -> "RowVectors":
+        """The vectors of ``rows`` only, each a temporary of ``plan`` (``release`` gives them back)."""
+        return RowVectors(*(None if x is None else _gather(plan, x, rows) for x in self.tensors()))
 
-    chunks: list[tuple[int, int, bool]] = []
+    def slice(self, r0: int, r1: int) -> "RowVectors":
+        return RowVectors(*(None if x is None else x[r0:r1] for x in self.tensors()))
 
-    def sweep(lo: int, end: int) -> None:
-        while end > lo:
-            if need_weight:  # widest C with ceil(rows C / H) <= min(c0, V - tail): the buffer avoids written rows
-                c = min(_MAX_CHUNK, end * h // (h + rows), (v - tail) * h // rows)
-                c = min(c // _CHUNK_ALIGN * _CHUNK_ALIGN, end - lo)
-                if c > small and -(-rows * c // h) <= min(end - c, v - tail):
-                    chunks.append((end - c, end, True))
-                    end -= c
-                    continue
-            c = min(small, end - lo)
-            chunks.append((end - c, end, False))
-            end -= c
-
-    sweep(v - tail, v)  # the tail first: d hidden (and d bias) only
-    sweep(0, v - tail)
-    recompute_chunk = budget_chunk(n, elem, tail, budget) if tail else 0
-    recompute = tuple((c0, min(c0 + recompute_chunk, v)) for c0 in range(v - tail, v, recompute_chunk or 1)) if tail \
-        else ()
-    used_small = max((c1 - c0 for c0, c1, home in chunks if not home), default=0)
-    return BackwardLayout(tuple(chunks), tail, acc, acc_lo, acc_offset, recompute, used_small, recompute_chunk)
+    def release(self, plan: Plan) -> None:
+        plan.release(*self.tensors())
 
 
 # ------------------------------------------------------------------------------------------------ launchers
@@ -367,38 +322,31 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
     if n == 0:
         return logps, (ent if return_entropy else None), m, log_s
     cfg = tile_config(dev, n)
-    splits = column_splits(n, v, cfg, current_sms(dev))
-    stats_bytes = n * (4 + (2 + return_entropy) * splits * 8)  # zy, and m, s (t) per split (m counted as 8: slack)
-    c_max = budget_chunk(n, hidden.element_size(), v, max(budget - stats_bytes, 0))
+    layout = forward_layout(n, v, hidden.element_size(), budget, splits=column_splits(n, v, cfg, current_sms(dev)),
+                            block_c=cfg.block_c, return_entropy=return_entropy)
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("grpo_fast log-prob forward (triton): N=%d, %d vocabulary chunks of %d, %d column split(s), "
-                     "tile %s", n, triton.cdiv(v, c_max), c_max, splits, cfg)
-    buf = plan.scratch((n, c_max), hidden.dtype, dev)
-    run_m = plan.scratch((splits, n), torch.float32, dev)
-    run_s = plan.scratch((splits, n), torch.float64, dev)
-    run_t = plan.scratch((splits, n), torch.float64, dev) if return_entropy else run_s
+                     "tile %s", n, len(layout.chunks), layout.buffer_chunk, layout.splits, cfg)
+    buf = plan.scratch((n, layout.buffer_chunk), hidden.dtype, dev)
+    run_m = plan.scratch((layout.splits, n), torch.float32, dev)
+    run_s = plan.scratch((layout.splits, n), torch.float64, dev)
+    run_t = plan.scratch((layout.splits, n), torch.float64, dev) if return_entropy else run_s
     zy = plan.scratch((n,), torch.float32, dev)
     inv_temp, cap = 1.0 / temperature, 1.0 if softcap is None else softcap
-    for c0 in range(0, v, c_max):
-        c = min(c_max, v - c0)
-        z = buf[:, :c] if c == c_max else buf.view(-1)[: n * c].view(n, c)
-        plan.gemm("logits", hidden, weight[c0:c0 + c].t(), z)
-        split = triton.cdiv(triton.cdiv(c, splits), cfg.block_c) * cfg.block_c
+    for c0, c1, split in layout.chunks:
+        c = c1 - c0
+        z = buf[:, :c] if c == layout.buffer_chunk else buf.view(-1)[: n * c].view(n, c)
+        plan.gemm("logits", hidden, weight[c0:c1].t(), z)
         plan.kernel(
-            "chunk_stats", _chunk_stats, (triton.cdiv(n, cfg.block_n), splits),
+            "chunk_stats", _chunk_stats, (triton.cdiv(n, cfg.block_n), layout.splits),
             z, z if bias is None else bias, target_ids, run_m, run_s, run_t, zy,
             n, c, c0, z.stride(0), split, inv_temp, cap, int(c0 == 0), int(bias is not None), int(softcap is not None),
-            reads=(z, None if bias is None else bias[c0:c0 + c], target_ids, *((run_m, run_s) if c0 else ()),
-                   *((run_t,) if c0 and return_entropy else ())),
-            writes=(run_m, run_s, run_t if return_entropy else None, zy),
             RETURN_ENTROPY=return_entropy, BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
         )
     plan.release(buf)
     plan.kernel(
         "stats_finalize", _stats_finalize, (triton.cdiv(n, cfg.block_n),),
-        run_m, run_s, run_t, zy, logps, ent, m, log_s, n, splits,
-        reads=(run_m, run_s, run_t if return_entropy else None, zy),
-        writes=(logps, ent if return_entropy else None, m, log_s),
+        run_m, run_s, run_t, zy, logps, ent, m, log_s, n, layout.splits,
         RETURN_ENTROPY=return_entropy, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
     )
     plan.release(run_m, run_s, run_t if return_entropy else None, zy)
@@ -411,7 +359,7 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
 
     ``rows``: the indices of the active rows (g or ge not zero, ascending), or None for all rows (the cost model,
     which has no data to look at); ``active_rows`` finds them. m, log_s, entropy: the forward's ``[N]`` statistics;
-    g, ge: ``[N]`` fp32 or None."""
+    g, ge: ``[N]`` fp32 or None. The walk is ``logprob_layout.backward_layout``'s."""
     plan = Plan() if plan is None else plan
     budget = scratch_bytes() if budget is None else budget
     n, h = hidden.shape
@@ -420,144 +368,121 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
     gh = torch.empty(n, h, dtype=dtype, device=dev) if need_hidden else None
     gw = torch.empty(v, h, dtype=dtype, device=dev) if need_weight else None
     gb = torch.empty(v, dtype=torch.float32, device=dev) if need_bias else None
-    a = n if rows is None else rows.shape[0]
-    if a == 0:
+    active = n if rows is None else rows.shape[0]
+    if active == 0:
         for t in (gh, gw, gb):
             if t is not None:
                 plan.torch_op("zero", t.zero_, reads=(), writes=(t,))
         return gh, gw, None if gb is None else gb.to(bias.dtype)
-    if rows is not None and gh is None and 2 * a * h * elem > budget:
-        rows, a = None, n  # no room for the gathered rows without grad_hidden's storage: every row, no gather
 
-    # the active rows' [A] vectors, gathered once (temporaries), and their hidden rows (grad_hidden's first rows)
-    all_rows = [target_ids, m, log_s, entropy if ge is not None else None, g, ge]
-    vectors, h_a = all_rows, hidden
+    every_row = RowVectors(target_ids, m, log_s, entropy if ge is not None else None, g, ge)
+    layout = backward_layout(n, active, h, v, elem, budget, gathered=rows is not None, need_hidden=need_hidden,
+                             need_weight=need_weight, vector_bytes=every_row.row_bytes())
+    rows = rows if layout.gathered else None
+    # the walked rows' vectors, gathered once (temporaries), and their hidden rows (grad_hidden's first rows)
+    walked, h_rows = every_row, hidden
     if rows is not None:
-        vectors = [None if x is None else _gather(plan, x, rows) for x in all_rows]
-        h_a = gh[:a] if gh is not None else plan.scratch((a, h), dtype, dev)
-        plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_a), reads=(hidden,),
-                      writes=(h_a,))
-    if need_hidden and not need_weight:  # no d weight to complete per chunk: row stripes, each over the vocabulary
-        logger.debug("grpo_fast log-prob backward (triton): %d of %d rows, d hidden only: row stripes", a, n)
-        _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, max(budget - plan.live_bytes, 0),
-                    gathered=rows is not None)
-        if rows is not None:
-            _finish_hidden(plan, gh, [], rows, budget)
+        walked = every_row.gather(plan, rows)
+        h_rows = gh[:layout.rows] if gh is not None else plan.scratch((layout.rows, h), dtype, dev)
+        plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_rows), reads=(hidden,),
+                      writes=(h_rows,))
+    if isinstance(layout.walk, StripeWalk):
+        logger.debug("grpo_fast log-prob backward (triton): %d of %d rows, d hidden only: %d row stripes",
+                     layout.rows, n, len(layout.walk.stripes))
+        _stripe_walk(plan, layout.walk, gh, gb, h_rows, weight, bias, walked, rows, temperature, softcap)
     else:
-        _vocab_outer(plan, gh, gw, gb, hidden, h_a, weight, bias, vectors, all_rows, rows, temperature, softcap, budget)
-    for x in vectors if rows is not None else ():
-        plan.release(x)
+        _vocab_walk(plan, layout.walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, every_row, rows,
+                    temperature, softcap)
+    if rows is not None:
+        walked.release(plan)
     return gh, gw, None if gb is None else gb.to(bias.dtype)
 
 
-def _vocab_outer(plan, gh, gw, gb, hidden, h_a, weight, bias, vectors, all_rows, rows, temperature, softcap, budget):
-    """The backward with a weight gradient: vocabulary chunks laid out by ``backward_layout``, each a recomputed
-    logits GEMM, ``dz`` in place, its d weight (one GEMM over the active rows ``h_a``) and its share of the fp32 d
-    hidden accumulator; then the accumulator cast into grad_hidden and the tail's d weight recomputed over every row.
-    ``vectors``: the active rows' (targets, m, log s, entropy, g, ge); ``all_rows``: the same for every row."""
+def _vocab_walk(plan, walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, every_row, rows, temperature, softcap):
+    """The backward with a weight gradient, along ``walk`` (a ``VocabWalk``): per chunk a recomputed logits GEMM,
+    ``dz`` in place, its d weight (one GEMM over the walked rows ``h_rows``) and its share of the fp32 d-hidden
+    accumulator; then the accumulator cast into grad_hidden and the tail's d weight recomputed over every row.
+    ``walked``: the walked rows' vectors; ``every_row``: every row's; ``rows``: the gathered rows' indices or None."""
     n, h = hidden.shape
-    a, v = h_a.shape[0], weight.shape[0]
-    dev, dtype, elem = hidden.device, hidden.dtype, hidden.element_size()
-    need_hidden, need_weight, need_bias = gh is not None, gw is not None, gb is not None
-    layout = backward_layout(n, a, h, v, elem, max(budget - plan.live_bytes, 0), gathered=rows is not None,
-                             need_hidden=need_hidden, need_weight=need_weight)
+    a, v = h_rows.shape[0], weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug("grpo_fast log-prob backward (triton): %d of %d rows, %d vocabulary chunks (%d in grad_weight's "
-                     "free rows), d-hidden accumulator: %s, %d grad_weight rows recomputed", a, n, len(layout.chunks),
-                     sum(home for *_, home in layout.chunks), layout.acc, layout.tail)
+                     "free rows), d-hidden accumulator in %s, %d grad_weight rows recomputed", a, n, len(walk.chunks),
+                     sum(chunk.in_grad_weight for chunk in walk.chunks),
+                     " + ".join(p.home.value for p in walk.acc) or "nothing", walk.tail)
 
-    acc_parts = []  # (first row, fp32 [rows, H], whether it lives in grad_hidden's bytes): the d hidden accumulator
-    if layout.acc == "gradient":
-        acc_parts = [(0, gh, True)]
-    elif layout.acc == "scratch":
-        acc_parts = [(0, plan.scratch((a, h), torch.float32, dev), False)]
-    elif layout.acc == "split":
-        lo = layout.acc_lo
-        acc_parts = [(0, _as_fp32(gh, layout.acc_offset, lo, h), True),
-                     (lo, _as_fp32(gw[v - layout.tail:], 0, a - lo, h), False)]
-        acc_parts = [p for p in acc_parts if p[1].shape[0]]
-    for _, part, _ in acc_parts:
+    acc = []  # (piece, fp32 [rows, H] tensor) of the d-hidden accumulator
+    for piece in walk.acc:
+        if piece.home is AccHome.GRADIENT:
+            part = gh
+        elif piece.home is AccHome.TEMPORARY:
+            part = plan.scratch((piece.rows, h), torch.float32, dev)
+        elif piece.home is AccHome.GRAD_HIDDEN:
+            part = _as_fp32(gh, piece.offset, piece.rows, h)
+        else:
+            part = _as_fp32(gw[v - walk.tail:], piece.offset, piece.rows, h)
+        acc.append((piece, part))
+    for _, part in acc:
         plan.torch_op("zero", part.zero_, reads=(), writes=(part,))
 
-    buf = plan.scratch((a, layout.budget_chunk), dtype, dev) if layout.budget_chunk else None
-    for c0, c1, in_weight in layout.chunks:
-        z = (gw if in_weight else buf).view(-1)[: a * (c1 - c0)].view(a, c1 - c0)
-        _dlogits(plan, z, h_a, weight, bias, *vectors, c0, c1, temperature, softcap)
-        if need_bias:
+    buf = plan.scratch((a, walk.buffer_chunk), dtype, dev) if walk.buffer_chunk else None
+    for c0, c1, in_grad_weight in walk.chunks:
+        z = (gw if in_grad_weight else buf).view(-1)[: a * (c1 - c0)].view(a, c1 - c0)
+        _dlogits(plan, z, h_rows, weight, bias, walked, c0, c1, temperature, softcap)
+        if gb is not None:
             _dbias(plan, gb[c0:c1], z, accumulate=False)
-        for r0, part, _ in acc_parts:
-            plan.gemm("d hidden", z[r0:r0 + part.shape[0]], weight[c0:c1], part, accumulate=True)
-        if need_weight and c1 <= v - layout.tail:
-            plan.gemm("d weight", z.t(), h_a, gw[c0:c1])
+        for piece, part in acc:
+            plan.gemm("d hidden", z[piece.row0:piece.row0 + piece.rows], weight[c0:c1], part, accumulate=True)
+        if gw is not None and c1 <= v - walk.tail:
+            plan.gemm("d weight", z.t(), h_rows, gw[c0:c1])
     plan.release(buf)
 
-    if need_hidden and layout.acc != "gradient":
-        _finish_hidden(plan, gh, acc_parts, rows, budget)
-    if layout.acc == "scratch":
-        plan.release(acc_parts[0][1])
+    if gh is not None and all(piece.home is not AccHome.GRADIENT for piece, _ in acc):
+        for piece, part in acc:
+            _cast(plan, gh, piece, part)
+        if rows is not None:
+            _move_gathered(plan, gh, rows, walk.move_piece)
+    for piece, part in acc:
+        if piece.home is AccHome.TEMPORARY:
+            plan.release(part)
     if rows is not None and gh is None:
-        plan.release(h_a)
-    if layout.recompute:  # the tail held part of the accumulator: its d weight now, over every row
-        buf = plan.scratch((n, layout.recompute_chunk), dtype, dev)
-        for c0, c1 in layout.recompute:
+        plan.release(h_rows)
+    if walk.recompute:  # the tail held part of the accumulator: its d weight now, over every row
+        buf = plan.scratch((n, walk.recompute_chunk), dtype, dev)
+        for c0, c1 in walk.recompute:
             z = buf.view(-1)[: n * (c1 - c0)].view(n, c1 - c0)
-            _dlogits(plan, z, hidden, weight, bias, *all_rows, c0, c1, temperature, softcap)
+            _dlogits(plan, z, hidden, weight, bias, every_row, c0, c1, temperature, softcap)
             plan.gemm("d weight", z.t(), hidden, gw[c0:c1])
         plan.release(buf)
 
 
-def _rows_outer(plan, gh, gb, h_a, weight, bias, vectors, temperature, softcap, budget, *, gathered):
-    """d hidden (and d bias) without d weight: stripes of the active rows, each walking the whole vocabulary with
-    its own fp32 accumulator, cast into grad_hidden's rows of the stripe when it is done (gathered rows: their
-    compact positions, which held the stripe's own hidden rows). The accumulator is a temporary when the remaining
-    rows' fits half the budget; before that it lives in grad_hidden's bytes that no finished stripe (nor a gathered
-    row) holds, so stripes halve (N/2, N/4, ... rows) and the ``[rows, C]`` buffer gets the whole budget. Launches:
-    3 per (stripe, chunk), about ``3 N V elem / budget`` in all."""
-    a, h = h_a.shape
-    n, v = gh.shape[0], weight.shape[0]
-    dtype, dev, elem = h_a.dtype, h_a.device, h_a.element_size()
-    small = a if 4 * a * h <= budget // 2 else max(1, budget // 2 // (4 * h))  # rows a temporary accumulator holds
-    stripes = []  # (r0, r1, home, byte offset in gh): home "gradient" (fp32, not gathered), "gh" or "scratch"
-    r0 = 0
-    while r0 < a:
-        if dtype == torch.float32 and not gathered:
-            stripes.append((0, a, "gradient", 0))
-            break
-        if 4 * (a - r0) * h <= budget // 2:
-            stripes.append((r0, a, "scratch", 0))
-            break
-        offset = _align16((a if gathered else r0) * h * elem)  # past the rows in use
-        rows = min(a - r0, max(0, (n * h * elem - offset) // (4 * h)))
-        if 4 * rows * h <= budget // 2:  # no room worth a stripe: a temporary's worth of rows
-            rows = min(a - r0, small)
-            stripes.append((r0, r0 + rows, "scratch", 0))
-        else:
-            stripes.append((r0, r0 + rows, "gh", offset))
-        r0 += rows
-    # one temporary of the budget: the [rows, C] buffer, and at its end a stripe's accumulator when it is "scratch"
-    def acc_bytes(r, home):
-        return _align16(4 * r * h) if home == "scratch" else 0
-
-    chunks = {(r1 - r0, home): budget_chunk(r1 - r0, elem, v, max(budget - acc_bytes(r1 - r0, home), 0))
-              for r0, r1, home, _ in stripes}
-    space = max(r * c * elem + acc_bytes(r, home) for (r, home), c in chunks.items())
-    buf = plan.scratch((_align16(space) // elem,), dtype, dev)
-    for r0, r1, home, offset in stripes:
-        rows, c_max = r1 - r0, chunks[(r1 - r0, home)]
-        acc = {"gradient": lambda: gh, "gh": lambda: _as_fp32(gh, offset, rows, h),
-               "scratch": lambda: _as_fp32(buf, buf.numel() * elem - acc_bytes(rows, home), rows, h)}[home]()
-        y, m, log_s, ent, g, ge = (None if x is None else x[r0:r1] for x in vectors)
+def _stripe_walk(plan, walk, gh, gb, h_rows, weight, bias, walked, rows, temperature, softcap):
+    """d hidden (and d bias) without d weight, along ``walk`` (a ``StripeWalk``): each stripe of the walked rows
+    goes over the whole vocabulary with its own fp32 accumulator, cast into grad_hidden's rows of the stripe when it
+    is done (gathered rows: their compact positions, which held the stripe's own hidden rows); then gathered rows
+    move to their places."""
+    h, v = h_rows.shape[1], weight.shape[0]
+    buf = plan.scratch((walk.buffer_elems,), h_rows.dtype, h_rows.device)
+    for stripe in walk.stripes:
+        piece = stripe.acc
+        r0, r1 = piece.row0, piece.row0 + piece.rows
+        acc = {AccHome.GRADIENT: lambda: gh, AccHome.GRAD_HIDDEN: lambda: _as_fp32(gh, piece.offset, piece.rows, h),
+               AccHome.TEMPORARY: lambda: _as_fp32(buf, piece.offset, piece.rows, h)}[piece.home]()
+        vectors = walked.slice(r0, r1)
         plan.torch_op("zero", acc.zero_, reads=(), writes=(acc,))
-        for c0 in range(0, v, c_max):
-            c1 = min(v, c0 + c_max)
-            z = buf[: rows * (c1 - c0)].view(rows, c1 - c0)
-            _dlogits(plan, z, h_a[r0:r1], weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap)
+        for c0 in range(0, v, stripe.chunk):
+            c1 = min(v, c0 + stripe.chunk)
+            z = buf[: piece.rows * (c1 - c0)].view(piece.rows, c1 - c0)
+            _dlogits(plan, z, h_rows[r0:r1], weight, bias, vectors, c0, c1, temperature, softcap)
             if gb is not None:  # later stripes add to the first one's column sums
                 _dbias(plan, gb[c0:c1], z, accumulate=r0 > 0)
             plan.gemm("d hidden", z, weight[c0:c1], acc, accumulate=True)
-        if home != "gradient":  # in place (ascending pieces) where the accumulator overlaps the stripe's rows
-            _cast_rows(plan, gh, r0, acc, home == "gh" and not gathered, budget, space=buf)
+        if piece.home is not AccHome.GRADIENT:
+            _cast(plan, gh, piece, acc, space=buf)
     plan.release(buf)
+    if rows is not None:
+        _move_gathered(plan, gh, rows, walk.move_piece)
 
 
 def _dbias(plan, db, z, *, accumulate):
@@ -568,19 +493,19 @@ def _dbias(plan, db, z, *, accumulate):
         plan.torch_op("d bias", lambda: torch.sum(z, 0, dtype=torch.float32, out=db), reads=(z,), writes=(db,))
 
 
-def _dlogits(plan, z, h_rows, weight, bias, y, m, log_s, ent, g, ge, c0, c1, temperature, softcap):
+def _dlogits(plan, z, h_rows, weight, bias, vectors, c0, c1, temperature, softcap):
     """``z [R, C]`` (a buffer) <- d loss / d raw logits of ``h_rows`` against the vocabulary chunk ``[c0, c1)``:
-    the logits GEMM, then ``_chunk_dlogits`` in place."""
+    the logits GEMM, then ``_chunk_dlogits`` in place. ``vectors``: the rows' ``RowVectors``."""
     r, c = z.shape
     plan.gemm("logits (recomputed)", h_rows, weight[c0:c1].t(), z)
     cfg = tile_config(z.device, r)
+    y, m, log_s, ent, g, ge = vectors.tensors()
     plan.kernel(
         "chunk_dlogits", _chunk_dlogits, (triton.cdiv(r, cfg.block_n), triton.cdiv(c, cfg.block_c)),
         z, z if bias is None else bias, y, m, log_s, m if ent is None else ent, m if g is None else g,
         m if ge is None else ge, r, c, c0, z.stride(0), 1.0 / temperature, 1.0 if softcap is None else softcap,
         int(bias is not None), int(softcap is not None), int(g is not None), int(ge is not None),
-        reads=(z, None if bias is None else bias[c0:c1], y if g is not None else None, m, log_s, ent, g, ge),
-        writes=(z,), BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
+        BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
     )
 
 
@@ -591,18 +516,19 @@ def _as_fp32(t: torch.Tensor, byte_offset: int, rows: int, h: int) -> torch.Tens
     return t.view(-1)[start: start + rows * h * ratio].view(torch.float32).view(rows, h)
 
 
-def _cast_rows(plan, gh, r0, acc, in_gh, budget, space=None):
-    """``gh[r0:r0 + rows] = acc`` (fp32 ``[rows, H]``). ``in_gh``: ``acc`` lives in ``gh``'s own bytes at or above the
-    destination's; then in ascending pieces through a temporary (``space``, a free 1-D buffer of gh's dtype, or the
-    budget left), each written below every byte still unread."""
-    if not in_gh:
-        dst = gh[r0:r0 + acc.shape[0]]
+def _cast(plan, gh, piece, acc, space=None):
+    """``gh[piece's rows] = acc`` (the fp32 ``[rows, H]`` accumulator of ``piece``, an ``AccPiece``): one copy, or
+    (``piece.cast_piece``: ``acc`` lies in ``gh``'s own bytes at or above its destination) ascending pieces through a
+    temporary (``space``, a free 1-D buffer of gh's dtype, or a temporary of the plan), each written below every byte
+    still unread."""
+    r0 = piece.row0
+    if not piece.cast_piece:
+        dst = gh[r0:r0 + piece.rows]
         plan.torch_op("cast d hidden", lambda: dst.copy_(acc), reads=(acc,), writes=(dst,))
         return
     h = gh.shape[1]
-    piece = max(1, (space.numel() // h) if space is not None else max(budget - plan.live_bytes, 0) // (h * 4))
-    for p0 in range(0, acc.shape[0], piece):
-        src = acc[p0:p0 + piece]
+    for p0 in range(0, piece.rows, piece.cast_piece):
+        src = acc[p0:p0 + piece.cast_piece]
         rows = src.shape[0]
         tmp = space[: rows * h].view(rows, h) if space is not None else plan.scratch(src.shape, gh.dtype, gh.device)
         plan.torch_op("cast d hidden", lambda: tmp.copy_(src), reads=(src,), writes=(tmp,))
@@ -612,17 +538,10 @@ def _cast_rows(plan, gh, r0, acc, in_gh, budget, space=None):
             plan.release(tmp)
 
 
-def _finish_hidden(plan, gh, acc_parts, rows, budget):
-    """grad_hidden from the fp32 accumulator pieces: cast into its first A rows (in place where the accumulator lives
-    in grad_hidden's own bytes: ascending pieces through a temporary, each written below every byte still unread),
-    then, for gathered rows, moved to their rows (descending pieces: row j goes to rows[j] >= j, above every row not
-    yet moved) and the other rows zeroed."""
+def _move_gathered(plan, gh, rows, piece):
+    """Gathered rows' d hidden from grad_hidden's first rows to their own (descending pieces of ``piece`` rows
+    through a temporary: row j goes to rows[j] >= j, above every row not yet moved), and the other rows zeroed."""
     n, h = gh.shape
-    piece = max(1, max(budget - plan.live_bytes, 0) // (h * 4))
-    for r0, part, in_gh in acc_parts:
-        _cast_rows(plan, gh, r0, part, in_gh, budget)
-    if rows is None:
-        return
     a = rows.shape[0]
     for p1 in range(a, 0, -piece):
         p0 = max(0, p1 - piece)

@@ -4,7 +4,8 @@ A launcher (``grpo_fast.kernels.linear_logprobs``) issues its work through a ``P
 ``torch.mm``/``torch.addmm``), ``plan.kernel`` (a Triton launch through ``launch.launch``) and ``plan.torch_op``
 (a copy, fill or reduction by torch), and takes its temporaries from ``plan.scratch`` and gives them back with
 ``plan.release``. Each call runs the work and appends a ``Step``: its kind, shape, matmul FLOPs and the bytes it
-reads and writes at tensor granularity (every tensor it touches counted once). The plan also keeps the live and
+reads and writes at tensor granularity (every tensor it touches counted once). A Triton kernel's tensors come from
+its own declaration (``traffic``, next to the kernel), a torch op's from its call. The plan also keeps the live and
 peak bytes of its temporaries: memory beyond the inputs, the outputs and the gradients.
 
 The cost model (``bench/cost_model.py``) runs the same launchers on meta tensors inside ``launch.capture(target)``:
@@ -50,6 +51,22 @@ def out_dtype_gemm_supported(device: torch.device) -> bool:
     if device.type == "meta":
         return "dtype_out" in torch.ops.aten.addmm.overloads()
     return device.type == "cuda" and fp32_accumulating_gemm(device_index(device))
+
+
+# id(kernel) -> (kernel, its traffic function): ``traffic`` fills it, ``Plan.kernel`` reads it
+_TRAFFIC: dict[int, tuple[object, Callable]] = {}
+
+
+def traffic(kernel):
+    """Declares what a launch of ``kernel`` (a Triton kernel) reads and writes: decorates a function called with
+    the launch's arguments (the positional ones, then the constexprs as keywords) that returns ``(reads, writes)``,
+    the tensors it reads and the tensors it writes (a tensor updated in place in both; None entries count nothing).
+    ``Plan.kernel`` records their bytes, so the description sits with the kernel, not at each call site."""
+    def register(fn: Callable) -> Callable:
+        _TRAFFIC[id(kernel)] = (kernel, fn)
+        return fn
+
+    return register
 
 
 class Plan:
@@ -106,10 +123,15 @@ class Plan:
         read = nbytes(a) + nbytes(b) + (nbytes(out) if accumulate else 0)
         self.steps.append(Step("gemm", name, (m, n, k), 2 * m * n * k, read, nbytes(out)))
 
-    def kernel(self, name: str, kernel, grid: tuple[int, ...], *args, reads: Sequence[Tensor | None],
-               writes: Sequence[Tensor | None], num_warps: int, num_stages: int = 1, **constexprs) -> None:
-        """A Triton launch (``launch.launch``: recorded instead of run inside ``launch.capture``). ``reads`` and
-        ``writes``: the tensors it reads and writes (a tensor updated in place is in both)."""
+    def kernel(self, name: str, kernel, grid: tuple[int, ...], *args, num_warps: int, num_stages: int = 1,
+               **constexprs) -> None:
+        """A Triton launch (``launch.launch``: recorded instead of run inside ``launch.capture``); its bytes are what
+        the kernel's ``traffic`` declaration says this launch reads and writes."""
+        declared = _TRAFFIC.get(id(kernel))
+        if declared is None or declared[0] is not kernel:
+            raise LookupError(f"plan.kernel({name!r}): the kernel declares no traffic (decorate a function of its "
+                              "arguments with grpo_fast.kernels.plan.traffic(kernel))")
+        reads, writes = declared[1](*args, **constexprs)
         launch(kernel, grid, *args, num_warps=num_warps, num_stages=num_stages, **constexprs)
         self.steps.append(Step("triton", name, tuple(grid), 0, sum(map(nbytes, reads)), sum(map(nbytes, writes))))
 

@@ -13,7 +13,7 @@ import triton
 
 from bench import cost_model
 from bench.cost_model import GEMM_EFFICIENCY, PROFILES, build_plans, project, step_seconds
-from grpo_fast.kernels import linear_logprobs
+from grpo_fast.kernels import linear_logprobs, logprob_layout
 from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB, CONFIGS
 from grpo_fast.kernels.plan import Plan, Step
 
@@ -185,8 +185,8 @@ def test_one_launch_per_vocabulary_chunk_covers_every_row(n):
     assert len(stats) == len(logits) and all(s.shape[0] == triton.cdiv(n, cfg.block_n) for s in stats)
     assert forward.launches == 2 * len(logits) + 1
 
-    layout = linear_logprobs.backward_layout(n, n, H, V, 2, DEFAULT_SCRATCH_MIB * MIB, gathered=False,
-                                             need_hidden=True, need_weight=True)
+    layout = logprob_layout.backward_layout(n, n, H, V, 2, DEFAULT_SCRATCH_MIB * MIB, gathered=False,
+                                            need_hidden=True, need_weight=True).walk
     chunks = _named(backward, "logits (recomputed)")
     assert len(chunks) == len(layout.chunks) + len(layout.recompute)
     assert all(s.shape[0] == n for s in chunks) and sum(s.shape[1] for s in chunks) == V + layout.tail
@@ -196,12 +196,12 @@ def test_one_launch_per_vocabulary_chunk_covers_every_row(n):
     dlogits = _named(backward, "chunk_dlogits")
     assert len(dlogits) == len(chunks) and all(s.shape[0] == triton.cdiv(n, cfg.block_n) for s in dlogits)
     hidden = _named(backward, "d hidden")
-    assert len(hidden) == len(layout.chunks) * (2 if layout.acc == "split" and 0 < layout.acc_lo < n else 1)
+    assert len(hidden) == len(layout.chunks) * len(layout.acc)  # one GEMM per chunk per piece of the accumulator
     # the rest: zeroing the accumulator, casting it into grad_hidden (a budget's worth of rows at a time)
     assert backward.launches - len(chunks) - len(dlogits) - len(weights) - len(hidden) <= 2 + 2 * math.ceil(
         4 * n * H / (DEFAULT_SCRATCH_MIB * MIB)) + 1
     # the budget's chunk bounds the backward's chunk count: its in-gradient chunks are only ever wider
-    assert len(layout.chunks) <= math.ceil(V / layout.budget_chunk) if layout.budget_chunk else layout.chunks
+    assert len(layout.chunks) <= math.ceil(V / layout.buffer_chunk) if layout.buffer_chunk else layout.chunks
 
 
 def test_launches_do_not_grow_with_n_at_a_fixed_chunk_width():
