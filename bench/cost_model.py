@@ -4,7 +4,7 @@
     python -m bench.cost_model --device a100 --entropy           # a table: launches and ms per step
     python -m bench.cost_model --all --csv                       # the two target shapes on the four devices
 
-What it prices. ``linear_logprob_forward`` then ``linear_logprob_backward`` (all rows active, no bias, temperature 1,
+What it prices. ``linear_logprobs.forward`` then ``linear_logprobs.backward`` (all rows active, no bias, temperature 1,
 no softcap, d hidden and d weight wanted) run on meta tensors inside ``grpo_fast.kernels.launch.capture(target)``:
 every GEMM, Triton kernel and torch op goes through a ``grpo_fast.kernels.plan.Plan``, which records its kind, shape,
 FLOPs and bytes at tensor granularity, and the launchers pick their chunk widths, column splits and tile
@@ -40,8 +40,10 @@ import torch
 from bench import harness
 from grpo_fast.dtypes import SHORT_DTYPES as DTYPES  # the short names: bf16, fp16, fp32
 from grpo_fast.kernels.launch import Target, capture
-from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB, linear_logprob_backward, linear_logprob_forward
+from grpo_fast.kernels import linear_logprobs
+from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB
 from grpo_fast.kernels.plan import Plan, Step
+from grpo_fast.logprobs_torch import LogprobParams, SavedStats
 
 # ------------------------------------------------------------------------------------------------ the fixed rules
 # Fixed in advance. GEMM_EFFICIENCY and TRITON_EFFICIENCY may only be replaced by a figure measured on a GPU by
@@ -144,10 +146,10 @@ def build_plans(n: int, h: int, v: int, *, dtype: str = "bf16", device: str = "h
     ge = meta(n, dtype=torch.float32) if entropy else None
     forward, backward = Plan(), Plan()
     with capture(profile.target, sms=profile.sms):
-        _, ent, m, log_s = linear_logprob_forward(hidden, weight, target_ids, None, 1.0, None, entropy, plan=forward,
-                                                  budget=budget)
-        linear_logprob_backward(hidden, weight, target_ids, None, m, log_s, ent, g, ge, 1.0, None, need_hidden,
-                                need_weight, False, rows=None, plan=backward, budget=budget)
+        params = LogprobParams(return_entropy=entropy, budget=budget)
+        _, ent, m, log_s = linear_logprobs.forward(hidden, weight, target_ids, None, params, plan=forward)
+        linear_logprobs.backward(hidden, weight, target_ids, None, SavedStats(m, log_s, ent), g, ge, params,
+                                 need_hidden, need_weight, False, rows=None, plan=backward)
     return forward, backward
 
 

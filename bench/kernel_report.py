@@ -142,7 +142,8 @@ def _logprob_launches():
     without the weight's gradient (the backward keeps its chunk buffer in grad_weight when that is wanted), with
     every row active and with the active rows gathered (``rows`` from ``active_rows``, as the custom op passes).
     Only the Triton launches are compiled: the GEMMs go to cuBLAS (``_plan`` checks their shapes)."""
-    from grpo_fast.kernels.linear_logprobs import linear_logprob_backward, linear_logprob_forward
+    from grpo_fast.kernels.linear_logprobs import backward, forward
+    from grpo_fast.logprobs_torch import LogprobParams, SavedStats
 
     f32 = torch.float32
     for dtype, (layout, h, v, off, budget) in itertools.product((torch.float32, torch.bfloat16, torch.float16),
@@ -151,9 +152,9 @@ def _logprob_launches():
         for n, bias, softcap, entropy in itertools.product(_N, (False, True), (False, True),
                                                           (False, True)):
             def fwd(dtype=dtype, h=h, v=v, off=off, budget=budget, n=n, bias=bias, softcap=softcap, entropy=entropy):
-                linear_logprob_forward(_meta((n, h), dtype), _meta((v, h), dtype), _vector(n, torch.int64, off),
-                                       _vector(v, dtype, off) if bias else None, 0.7, 30.0 if softcap else None,
-                                       entropy, plan=_plan(), budget=budget)
+                forward(_meta((n, h), dtype), _meta((v, h), dtype), _vector(n, torch.int64, off),
+                        _vector(v, dtype, off) if bias else None,
+                        LogprobParams(0.7, 30.0 if softcap else None, entropy, budget=budget), plan=_plan())
             yield f"forward {tag} N={n} bias={bias} softcap={softcap} entropy={entropy}", dtype, not off, fwd
         # rows: None (every row active) or the indices of the active rows, which the backward gathers into fresh
         # [A] vectors (aligned, small: a target-id pointer attribute differs from the caller's); the gathered case
@@ -166,13 +167,14 @@ def _logprob_launches():
             def bwd(dtype=dtype, h=h, v=v, off=off, budget=budget, n=n, bias=bias, softcap=softcap, grads=grads,
                     need_weight=need_weight, gathered=gathered):
                 has_g, has_ge = "g" in grads.split("+"), "ge" in grads
-                linear_logprob_backward(
+                backward(
                     _meta((n, h), dtype), _meta((v, h), dtype), _vector(n, torch.int64, off),
-                    _vector(v, dtype, off) if bias else None, _vector(n, f32), _vector(n, f32),
-                    _vector(n, f32) if has_ge else None, _vector(n, f32) if has_g else None,
-                    _vector(n, f32) if has_ge else None, 0.7, 30.0 if softcap else None,
+                    _vector(v, dtype, off) if bias else None,
+                    SavedStats(_vector(n, f32), _vector(n, f32), _vector(n, f32) if has_ge else None),
+                    _vector(n, f32) if has_g else None, _vector(n, f32) if has_ge else None,
+                    LogprobParams(0.7, 30.0 if softcap else None, has_ge, budget=budget),
                     True, need_weight, bias, rows=_vector(n - n // 4, torch.int64) if gathered else None,
-                    plan=_plan(), budget=budget)
+                    plan=_plan())
             yield (f"backward {tag} N={n} bias={bias} softcap={softcap} grads={grads} need_weight={need_weight}"
                    f"{' active rows gathered' if gathered else ''}", dtype, not off, bwd)
 
@@ -221,6 +223,7 @@ def _config_launches():
     forward and backward with entropy and both upstream gradients, at a small and a large N (so the forward runs
     with and without a column split) under each distinct configuration."""
     from grpo_fast.kernels import linear_logprobs as ll
+    from grpo_fast.logprobs_torch import LogprobParams, SavedStats
 
     f32 = torch.float32
     for cfg in sorted(set(ll.CONFIGS.values()), key=repr):
@@ -230,11 +233,11 @@ def _config_launches():
                 ll.CONFIGS.update({k: cfg for k in table})
                 for n in (1000, 16384):
                     hidden, weight = _meta((n, 4096), torch.bfloat16), _meta((151936, 4096), torch.bfloat16)
-                    ll.linear_logprob_forward(hidden, weight, _vector(n, torch.int64), None, 1.0, None, True,
-                                              plan=_plan())
-                    ll.linear_logprob_backward(hidden, weight, _vector(n, torch.int64), None, _vector(n, f32),
-                                               _vector(n, f32), _vector(n, f32), _vector(n, f32), _vector(n, f32), 1.0,
-                                               None, True, True, False, rows=None, plan=_plan())
+                    params = LogprobParams(return_entropy=True)
+                    ll.forward(hidden, weight, _vector(n, torch.int64), None, params, plan=_plan())
+                    ll.backward(hidden, weight, _vector(n, torch.int64), None,
+                                SavedStats(_vector(n, f32), _vector(n, f32), _vector(n, f32)), _vector(n, f32),
+                                _vector(n, f32), params, True, True, False, rows=None, plan=_plan())
             finally:
                 ll.CONFIGS.clear()
                 ll.CONFIGS.update(table)

@@ -14,14 +14,22 @@ online logsumexp: a running max ``m`` (starting at -inf), a running ``s = sum ex
 vocab chunks. ``logp = (z[y] - m) - log s`` and ``entropy = log s - t / s`` never subtract two large numbers, so logits
 offset by 1e4 lose nothing; ``m`` and ``log s`` are saved apart (not as one ``lse``) so the backward's
 ``p = exp((z - m) - log s)`` keeps that property. The backward (custom autograd, ``grpo_fast.ops``) recomputes each
-tile, forms ``dz`` and multiplies it into ``dh = dz @ W``,
-``dW = dz^T @ h`` and ``db = sum dz``, walking vocab chunks (outer) and token blocks (inner) so each ``dW`` chunk is
-accumulated over all tokens and written once.
+tile, forms ``dz`` and multiplies it into ``dh = dz @ W``, ``dW = dz^T @ h`` and ``db = sum dz``, walking vocab chunks
+(outer) and token blocks (inner) so each ``dW`` chunk is accumulated over all tokens and written once.
+
+The contract of both backends. This module and ``grpo_fast.kernels.linear_logprobs`` (the GPU path) each implement
+``forward(hidden, weight, target_ids, bias, params) -> (logp, entropy or None, m, log_s)`` and ``backward(hidden,
+weight, target_ids, bias, saved, g, ge, params, need_hidden, need_weight, need_bias) -> (d hidden, d weight, d bias)``
+(None where not needed) and ``stats_dtype(dtype)``, the dtype of the ``[N]`` outputs. ``params``: the options, one
+``LogprobParams``; ``saved``: the forward's statistics, one ``SavedStats``. ``grpo_fast.ops`` calls whichever
+``impl`` names.
 
 Memory. Saved for backward: the inputs (no copies) and three ``[N]`` vectors (max, log-sum, entropy). Temporaries:
-about three fp32 tiles of ``token_chunk x vocab_chunk`` (auto: <= 8 MiB each), a ``[vocab_chunk, H]`` fp32 ``dW``
-accumulator and ``[token_chunk, H]`` row buffers (auto: <= 16 MiB each), and, for bf16/fp16 inputs, an fp32 ``[N, H]``
-``dh`` accumulator. Never an ``N x V`` tensor, never an fp32 copy of a bf16/fp16 weight (chunks are cast one at a time).
+about three fp32 tiles of ``token_chunk x vocab_chunk``, a ``[vocab_chunk, H]`` fp32 ``dW`` accumulator and
+``[token_chunk, H]`` row buffers, sized from the temporaries budget the GPU path keeps to (``scratch_bytes()``,
+``GRPO_FAST_SCRATCH_MIB``: a tile at most an eighth of it, 8 MiB at the default 64 MiB, the others a quarter each;
+``grpo_fast.kernels.logprob_layout.torch_chunks``), and, for bf16/fp16 inputs, an fp32 ``[N, H]`` ``dh``
+accumulator. Never an ``N x V`` tensor, never an fp32 copy of a bf16/fp16 weight (chunks are cast one at a time).
 Traffic: the forward reads ``W`` once per token block and the backward once per vocab chunk sweep per token block, i.e.
 three ``2 N V H``-FLOP matmuls in all, like the unfused lm_head forward and backward.
 
@@ -38,38 +46,47 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-_TILE_ELEMS = 2 * 1024 * 1024  # auto token_chunk * vocab_chunk: one fp32 logits tile <= 8 MiB
-_ROW_BYTES = 16 * 1024 * 1024  # auto bound on the fp32 [vocab_chunk, H] dW accumulator and [token_chunk, H] buffers
-_MAX_VOCAB_CHUNK = 4096
-_MIN_CHUNK = 128
+from grpo_fast.kernels.logprob_layout import scratch_bytes, torch_chunks
 
 
 @dataclass(frozen=True)
 class LogprobParams:
-    """Options of the chunked log-prob op (``grpo_fast.logprobs.chunked_logprobs``). ``None`` chunk sizes are chosen
-    from a temporaries budget."""
+    """The options of a log-prob forward and backward, on either backend (the contract in the module docstring).
+
+    temperature, softcap: the logits' shaping; return_entropy: the forward also returns the entropy (the backward:
+    the forward did). vocab_chunk, token_chunk: the torch path's tile (None: from the budget; the GPU path sizes its
+    chunks from the budget alone). budget: the temporaries budget in bytes (None: ``scratch_bytes()``, read when
+    the op runs)."""
 
     temperature: float = 1.0
     softcap: float | None = None
     return_entropy: bool = False
     vocab_chunk: int | None = None
     token_chunk: int | None = None
+    budget: int | None = None
+
+    def budget_bytes(self) -> int:
+        return scratch_bytes() if self.budget is None else self.budget
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+@dataclass(frozen=True)
+class SavedStats:
+    """What a log-prob forward saves per row for its backward: ``m`` and ``log_s`` (``lse = m + log_s``) and the
+    entropy (None when the forward did not return it), each ``[N]`` in ``stats_dtype``."""
+
+    m: Tensor
+    log_s: Tensor
+    entropy: Tensor | None = None
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the forward's ``[N]`` outputs for inputs of ``dtype``: float64 for float64, else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_sizes(n: int, v: int, h: int, params: LogprobParams) -> tuple[int, int]:
-    """``(token_chunk, vocab_chunk)``: explicit values as given, else bounded by the tile and row budgets."""
-    c = params.vocab_chunk
-    if c is None:
-        c = min(v, _MAX_VOCAB_CHUNK, max(_MIN_CHUNK, _ROW_BYTES // (4 * max(h, 1))))
-    t = params.token_chunk
-    if t is None:
-        t = min(max(n, 1), max(1, _TILE_ELEMS // c), max(_MIN_CHUNK, _ROW_BYTES // (4 * max(h, 1))))
-    assert c >= 1 and t >= 1, "chunk sizes must be positive"
-    return t, c
+def _tile_sizes(n: int, v: int, h: int, params: LogprobParams) -> tuple[int, int]:
+    """``(token_chunk, vocab_chunk)``: explicit values as given, else from the budget (``torch_chunks``)."""
+    return torch_chunks(n, v, h, params.budget_bytes(), params.vocab_chunk, params.token_chunk)
 
 
 def _tile(h_rows: Tensor, w_c: Tensor, bias_c: Tensor | None, params: LogprobParams, acc: torch.dtype, keep_tanh: bool):
@@ -99,12 +116,13 @@ def _target_in_chunk(y: Tensor, c0: int, c: int) -> tuple[Tensor, Tensor]:
     return in_chunk, local.clamp(0, c - 1).unsqueeze(1)
 
 
-def _forward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: LogprobParams):
-    """``(logps, entropy or None, m, log_s)``, all ``[N]`` in the acc dtype; ``lse = m + log_s``."""
+def forward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: LogprobParams):
+    """``(logps, entropy or None, m, log_s)``, all ``[N]`` in ``stats_dtype``; ``lse = m + log_s``. hidden ``[N, H]``,
+    weight ``[V, H]``, target_ids ``[N]`` int64, bias ``[V]`` or None."""
     n, h = hidden.shape
     v = weight.shape[0]
-    acc = _acc_dtype(hidden.dtype)
-    tb, cb = _chunk_sizes(n, v, h, params)
+    acc = stats_dtype(hidden.dtype)
+    tb, cb = _tile_sizes(n, v, h, params)
     want_ent = params.return_entropy
     lowest = torch.finfo(torch.float64).min
     logps = torch.empty(n, dtype=acc, device=hidden.device)
@@ -198,16 +216,19 @@ def torch_tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1
     return dz
 
 
-def _backward(ctx, g: Tensor | None, ge: Tensor | None):
-    hidden, weight, target_ids, bias, m_all, logs_all, ent = ctx.saved_tensors
-    params: LogprobParams = ctx.params
-    need_h, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[3]
+def backward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, saved: SavedStats,
+             g: Tensor | None, ge: Tensor | None, params: LogprobParams, need_hidden: bool, need_weight: bool,
+             need_bias: bool):
+    """``(d hidden, d weight, d bias)`` of ``sum(g * logp + ge * entropy)`` (None where not needed); g, ge: ``[N]`` or
+    None. Rows whose g and ge are both zero cost nothing."""
+    m_all, logs_all, ent = saved.m, saved.log_s, saved.entropy
+    need_h, need_w, need_b = need_hidden, need_weight, need_bias
     n, h = hidden.shape
     v = weight.shape[0]
     dtype = hidden.dtype
-    acc = _acc_dtype(dtype)
+    acc = stats_dtype(dtype)
     same = dtype == acc  # fp32/fp64: accumulate straight into the gradient tensors with addmm_
-    tb, cb = _chunk_sizes(n, v, h, params)
+    tb, cb = _tile_sizes(n, v, h, params)
 
     active = torch.zeros(n, dtype=torch.bool, device=hidden.device)
     if g is not None:
@@ -222,7 +243,7 @@ def _backward(ctx, g: Tensor | None, ge: Tensor | None):
     gw = torch.zeros_like(weight) if need_w else None
     db = torch.zeros(v, dtype=acc, device=hidden.device) if need_b else None
     if not blocks:  # every upstream gradient is exactly zero
-        return (None if dh is None else dh.to(dtype)), gw, None, (None if db is None else db.to(bias.dtype)), None
+        return (None if dh is None else dh.to(dtype)), gw, (None if db is None else db.to(bias.dtype))
 
     bias_acc = None if bias is None else bias.to(acc)
     # Per-block row data, selected once: [T] vectors only (hidden rows are selected per tile, never all at once).
@@ -270,4 +291,4 @@ def _backward(ctx, g: Tensor | None, ge: Tensor | None):
 
     grad_h = None if dh is None else (dh if same else dh.to(dtype))
     grad_b = None if db is None else db.to(bias.dtype)
-    return grad_h, gw, None, grad_b, None
+    return grad_h, gw, grad_b

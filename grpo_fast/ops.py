@@ -2,7 +2,8 @@
 ``torch.compile(fullgraph=True)`` traces ``fused_logprobs`` / ``grpo_loss`` as single opaque nodes on either path.
 
 ``grpo_fast::logprobs_fwd`` / ``logprobs_bwd``: the chunked log-prob forward and backward (``impl`` "torch" or
-"triton"). ``grpo_fast::loss_terms``: the GRPO loss, ``d loss / d logp``, ``d loss / d entropy`` and the metrics
+"triton"); each unpacks its arguments once into a ``LogprobParams`` and calls the backend's ``forward`` /
+``backward`` (the contract both backends implement: ``grpo_fast.logprobs_torch``). ``grpo_fast::loss_terms``: the GRPO loss, ``d loss / d logp``, ``d loss / d entropy`` and the metrics
 (NaN where undefined) in one call. Absent optional outputs are empty tensors (custom ops return tensors only).
 
 CUDA graphs. ``logprobs_bwd`` finds the rows with a non-zero upstream gradient (``nonzero``, a host sync): it is
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 import functools
 import json
-import types
 
 import torch
 from torch import Tensor
 
+from grpo_fast import logprobs_torch
 from grpo_fast.config import GRPOLossConfig
-from grpo_fast.logprobs_torch import LogprobParams, _acc_dtype, _backward, _forward
+from grpo_fast.logprobs_torch import LogprobParams, SavedStats
 
 _EMPTY = (0,)
 # torch >= 2.9 has the tag (Inductor then keeps the op out of captured CUDA graphs); older torch has no such notion
@@ -36,6 +37,20 @@ def _absent(x: Tensor | None) -> bool:
     return x is None or x.numel() == 0
 
 
+def _present(x: Tensor | None) -> Tensor | None:
+    return None if _absent(x) else x
+
+
+def logprob_backend(impl: str):
+    """The module implementing ``impl``'s log-prob ``forward``, ``backward`` and ``stats_dtype``:
+    ``grpo_fast.kernels.linear_logprobs`` for "triton" (imported on first use), else ``grpo_fast.logprobs_torch``."""
+    if impl == "triton":
+        from grpo_fast.kernels import linear_logprobs
+
+        return linear_logprobs
+    return logprobs_torch
+
+
 # ---------------------------------------------------------------------------------------------------- log-probs
 @torch.library.custom_op("grpo_fast::logprobs_fwd", mutates_args=())
 def logprobs_fwd(
@@ -44,21 +59,15 @@ def logprobs_fwd(
     token_chunk: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """hidden ``[N, H]`` -> (logps ``[N]``, entropy ``[N]`` or empty, m ``[N]``, log_s ``[N]``)."""
-    if impl == "triton":
-        from grpo_fast.kernels.linear_logprobs import linear_logprob_forward
-
-        logps, ent, m, log_s = linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softcap,
-                                                      return_entropy)
-    else:
-        params = LogprobParams(temperature, softcap, return_entropy, vocab_chunk, token_chunk)
-        logps, ent, m, log_s = _forward(hidden, weight, target_ids, bias, params)
+    params = LogprobParams(temperature, softcap, return_entropy, vocab_chunk, token_chunk)
+    logps, ent, m, log_s = logprob_backend(impl).forward(hidden, weight, target_ids, bias, params)
     return logps, (ent if ent is not None else logps.new_empty(_EMPTY)), m, log_s
 
 
 @logprobs_fwd.register_fake
 def _(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl, vocab_chunk=None, token_chunk=None):
     n = hidden.shape[0]
-    acc = torch.float32 if impl == "triton" else _acc_dtype(hidden.dtype)
+    acc = logprob_backend(impl).stats_dtype(hidden.dtype)
     out = hidden.new_empty((n,), dtype=acc)
     ent = hidden.new_empty((n,) if return_entropy else _EMPTY, dtype=acc)
     return out, ent, hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc)
@@ -73,22 +82,11 @@ def logprobs_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (d hidden, d weight, d bias; empty where not needed): the Triton launcher (cuBLAS GEMMs over
     vocabulary chunks) or the chunked torch backward."""
-    entropy = None if _absent(entropy) else entropy
-    need_bias = need_bias and bias is not None
-    if impl == "triton":
-        from grpo_fast.kernels.linear_logprobs import active_rows, linear_logprob_backward
-
-        g = None if _absent(g) else g.float().contiguous()
-        ge = None if _absent(ge) else ge.float().contiguous()
-        gh, gw, gb = linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy, g, ge, temperature,
-                                             softcap, need_hidden, need_weight, need_bias, rows=active_rows(g, ge))
-    else:
-        ctx = types.SimpleNamespace(
-            saved_tensors=(hidden, weight, target_ids, bias, m, log_s, entropy),
-            params=LogprobParams(temperature, softcap, entropy is not None, vocab_chunk, token_chunk),
-            needs_input_grad=(need_hidden, need_weight, False, need_bias, False),
-        )
-        gh, gw, _, gb, _ = _backward(ctx, None if _absent(g) else g, None if _absent(ge) else ge)
+    entropy = _present(entropy)
+    params = LogprobParams(temperature, softcap, entropy is not None, vocab_chunk, token_chunk)
+    gh, gw, gb = logprob_backend(impl).backward(hidden, weight, target_ids, bias, SavedStats(m, log_s, entropy),
+                                                _present(g), _present(ge), params, need_hidden, need_weight,
+                                                need_bias and bias is not None)
     empty = lambda: hidden.new_empty(_EMPTY)  # noqa: E731 (outputs must not alias each other)
     return (empty() if gh is None else gh), (empty() if gw is None else gw), (empty() if gb is None else gb)
 

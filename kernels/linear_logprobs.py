@@ -2,7 +2,7 @@
 for a GPU: the matmuls are cuBLAS GEMMs over vocabulary chunks, the softmax work is two memory-bound Triton kernels,
 and nothing of size ``N x V`` exists at any time.
 
-Forward (``linear_logprob_forward``). For each vocabulary chunk ``[c0, c0 + C)``: one GEMM writes the chunk's raw
+Forward (``forward``). For each vocabulary chunk ``[c0, c0 + C)``: one GEMM writes the chunk's raw
 logits ``h @ W[c0:c0+C]^T`` (``[N, C]``, input dtype, into one reused buffer), then ``_chunk_stats`` shapes them
 (bias, softcap, 1 / temperature) and folds them into per-row running statistics: the max ``m``, ``s = sum exp(z - m)``
 and ``t = sum exp(z - m)(z - m)`` (float64: they carry over every chunk) and the target logit. When there are fewer
@@ -10,15 +10,14 @@ row blocks than twice the GPU's SMs, each chunk's columns are split over ``S`` p
 its own statistics; ``_stats_finalize`` merges the ``S`` partial statistics in a fixed order (deterministic) into
 ``logp = (z_y - m) - log s``, ``entropy = log s - t / s``, ``m`` and ``log s``. Launches: ``2 V / C + 1``.
 
-Backward (``linear_logprob_backward``). Vocabulary chunks outer, over the active rows only (rows whose upstream
+Backward (``backward``). Vocabulary chunks outer, over the active rows only (rows whose upstream
 gradients are not both exactly zero; gathered once): per chunk one GEMM recomputes the raw logits of all active rows,
 ``_chunk_dlogits`` turns them in place into ``dz = (g (onehot - p) - ge p (log p + H)) / temperature (1 - tanh^2)``
 in the input dtype, then ``dW[c0:c0+C] = dz^T @ h`` is one GEMM with K = the active rows (written once: no fp32
 ``V x H`` buffer, no atomics, deterministic) and ``dh += dz @ W[c0:c0+C]`` is one GEMM accumulating into an fp32
 ``[rows, H]`` matrix (``out_dtype``: fp32 accumulation inside cuBLAS, no rounded product, no second pass); ``db`` is a
 column sum. Launches: ``4 V / C`` plus a handful. FLOPs: ``8 N H V`` with the forward. Without a weight gradient (a
-frozen lm_head) the rows go in stripes instead, each over the whole vocabulary, with a d-hidden accumulator of their
-own.
+frozen lm_head) the rows go in stripes instead, each over the whole vocabulary with its own d-hidden accumulator.
 
 Memory. Temporaries stay within ``scratch_bytes()`` (64 MiB unless ``GRPO_FAST_SCRATCH_MIB`` says otherwise; the one
 exception below). Where every temporary lives, the ``dz`` buffers in grad_weight's unwritten rows and the fp32
@@ -52,8 +51,9 @@ from grpo_fast import dispatch
 from grpo_fast.dispatch import triton_interpreting
 from grpo_fast.kernels.launch import capturing, current_sms, current_target
 from grpo_fast.kernels.logprob_layout import (DEFAULT_SCRATCH_MIB, AccHome, StripeWalk, backward_layout,  # noqa: F401
-                                              forward_layout, scratch_bytes)
+                                              forward_layout)
 from grpo_fast.kernels.plan import Plan, traffic
+from grpo_fast.logprobs_torch import LogprobParams, SavedStats
 
 logger = logging.getLogger("grpo_fast")
 
@@ -307,11 +307,19 @@ class RowVectors:
 
 
 # ------------------------------------------------------------------------------------------------ launchers
-def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, *, plan=None,
-                           budget=None):
-    """hidden [N, H], weight [V, H], target_ids [N] -> (logps, entropy or None, m, log_s), each [N] fp32."""
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the forward's ``[N]`` outputs: float32 whatever the inputs' (the contract of
+    ``grpo_fast.logprobs_torch``)."""
+    return torch.float32
+
+
+def forward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, bias: torch.Tensor | None,
+            params: LogprobParams, *, plan: Plan | None = None):
+    """hidden [N, H], weight [V, H], target_ids [N] -> (logps, entropy or None, m, log_s), each [N] fp32, within
+    ``params.budget_bytes()`` of temporaries (``params``' chunk sizes are the torch path's: not used here). ``plan``:
+    where the launches are recorded (a new one by default)."""
     plan = Plan() if plan is None else plan
-    budget = scratch_bytes() if budget is None else budget
+    budget, return_entropy = params.budget_bytes(), params.return_entropy
     n, h = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -332,7 +340,8 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
     run_s = plan.scratch((layout.splits, n), torch.float64, dev)
     run_t = plan.scratch((layout.splits, n), torch.float64, dev) if return_entropy else run_s
     zy = plan.scratch((n,), torch.float32, dev)
-    inv_temp, cap = 1.0 / temperature, 1.0 if softcap is None else softcap
+    softcap = params.softcap
+    inv_temp, cap = 1.0 / params.temperature, 1.0 if softcap is None else softcap
     for c0, c1, split in layout.chunks:
         c = c1 - c0
         z = buf[:, :c] if c == layout.buffer_chunk else buf.view(-1)[: n * c].view(n, c)
@@ -353,15 +362,23 @@ def linear_logprob_forward(hidden, weight, target_ids, bias, temperature, softca
     return logps, (ent if return_entropy else None), m, log_s
 
 
-def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy, g, ge, temperature, softcap,
-                            need_hidden, need_weight, need_bias, *, rows=None, plan=None, budget=None):
+def backward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, bias: torch.Tensor | None,
+             saved: SavedStats, g: torch.Tensor | None, ge: torch.Tensor | None, params: LogprobParams,
+             need_hidden: bool, need_weight: bool, need_bias: bool, *, rows: torch.Tensor | str | None = "active",
+             plan: Plan | None = None):
     """Gradients ``(d hidden or None, d weight or None, d bias or None)`` of ``sum(g * logp + ge * entropy)``.
 
-    ``rows``: the indices of the active rows (g or ge not zero, ascending), or None for all rows (the cost model,
-    which has no data to look at); ``active_rows`` finds them. m, log_s, entropy: the forward's ``[N]`` statistics;
-    g, ge: ``[N]`` fp32 or None. The walk is ``logprob_layout.backward_layout``'s."""
+    saved: the forward's ``[N]`` statistics; g, ge: ``[N]`` or None. ``rows``: "active" (default) walks the rows
+    whose g or ge is not zero, found here (``active_rows``, one host sync); else their indices (ascending), or None
+    for every row (the cost model, which has no data to look at). The walk is ``logprob_layout.backward_layout``'s,
+    within ``params.budget_bytes()``; ``plan``: where the launches are recorded (a new one by default)."""
     plan = Plan() if plan is None else plan
-    budget = scratch_bytes() if budget is None else budget
+    budget = params.budget_bytes()
+    g = None if g is None else g.float().contiguous()
+    ge = None if ge is None else ge.float().contiguous()
+    if isinstance(rows, str):
+        rows = active_rows(g, ge)
+    m, log_s, entropy = saved.m, saved.log_s, saved.entropy
     n, h = hidden.shape
     v = weight.shape[0]
     dev, dtype, elem = hidden.device, hidden.dtype, hidden.element_size()
@@ -389,16 +406,15 @@ def linear_logprob_backward(hidden, weight, target_ids, bias, m, log_s, entropy,
     if isinstance(layout.walk, StripeWalk):
         logger.debug("grpo_fast log-prob backward (triton): %d of %d rows, d hidden only: %d row stripes",
                      layout.rows, n, len(layout.walk.stripes))
-        _stripe_walk(plan, layout.walk, gh, gb, h_rows, weight, bias, walked, rows, temperature, softcap)
+        _stripe_walk(plan, layout.walk, gh, gb, h_rows, weight, bias, walked, rows, params)
     else:
-        _vocab_walk(plan, layout.walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, every_row, rows,
-                    temperature, softcap)
+        _vocab_walk(plan, layout.walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, every_row, rows, params)
     if rows is not None:
         walked.release(plan)
     return gh, gw, None if gb is None else gb.to(bias.dtype)
 
 
-def _vocab_walk(plan, walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, every_row, rows, temperature, softcap):
+def _vocab_walk(plan, walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, every_row, rows, params):
     """The backward with a weight gradient, along ``walk`` (a ``VocabWalk``): per chunk a recomputed logits GEMM,
     ``dz`` in place, its d weight (one GEMM over the walked rows ``h_rows``) and its share of the fp32 d-hidden
     accumulator; then the accumulator cast into grad_hidden and the tail's d weight recomputed over every row.
@@ -429,7 +445,7 @@ def _vocab_walk(plan, walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, ev
     buf = plan.scratch((a, walk.buffer_chunk), dtype, dev) if walk.buffer_chunk else None
     for c0, c1, in_grad_weight in walk.chunks:
         z = (gw if in_grad_weight else buf).view(-1)[: a * (c1 - c0)].view(a, c1 - c0)
-        _dlogits(plan, z, h_rows, weight, bias, walked, c0, c1, temperature, softcap)
+        _dlogits(plan, z, h_rows, weight, bias, walked, c0, c1, params)
         if gb is not None:
             _dbias(plan, gb[c0:c1], z, accumulate=False)
         for piece, part in acc:
@@ -452,12 +468,12 @@ def _vocab_walk(plan, walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, ev
         buf = plan.scratch((n, walk.recompute_chunk), dtype, dev)
         for c0, c1 in walk.recompute:
             z = buf.view(-1)[: n * (c1 - c0)].view(n, c1 - c0)
-            _dlogits(plan, z, hidden, weight, bias, every_row, c0, c1, temperature, softcap)
+            _dlogits(plan, z, hidden, weight, bias, every_row, c0, c1, params)
             plan.gemm("d weight", z.t(), hidden, gw[c0:c1])
         plan.release(buf)
 
 
-def _stripe_walk(plan, walk, gh, gb, h_rows, weight, bias, walked, rows, temperature, softcap):
+def _stripe_walk(plan, walk, gh, gb, h_rows, weight, bias, walked, rows, params):
     """d hidden (and d bias) without d weight, along ``walk`` (a ``StripeWalk``): each stripe of the walked rows
     goes over the whole vocabulary with its own fp32 accumulator, cast into grad_hidden's rows of the stripe when it
     is done (gathered rows: their compact positions, which held the stripe's own hidden rows); then gathered rows
@@ -474,7 +490,7 @@ def _stripe_walk(plan, walk, gh, gb, h_rows, weight, bias, walked, rows, tempera
         for c0 in range(0, v, stripe.chunk):
             c1 = min(v, c0 + stripe.chunk)
             z = buf[: piece.rows * (c1 - c0)].view(piece.rows, c1 - c0)
-            _dlogits(plan, z, h_rows[r0:r1], weight, bias, vectors, c0, c1, temperature, softcap)
+            _dlogits(plan, z, h_rows[r0:r1], weight, bias, vectors, c0, c1, params)
             if gb is not None:  # later stripes add to the first one's column sums
                 _dbias(plan, gb[c0:c1], z, accumulate=r0 > 0)
             plan.gemm("d hidden", z, weight[c0:c1], acc, accumulate=True)
@@ -493,17 +509,18 @@ def _dbias(plan, db, z, *, accumulate):
         plan.torch_op("d bias", lambda: torch.sum(z, 0, dtype=torch.float32, out=db), reads=(z,), writes=(db,))
 
 
-def _dlogits(plan, z, h_rows, weight, bias, vectors, c0, c1, temperature, softcap):
+def _dlogits(plan, z, h_rows, weight, bias, vectors, c0, c1, params):
     """``z [R, C]`` (a buffer) <- d loss / d raw logits of ``h_rows`` against the vocabulary chunk ``[c0, c1)``:
     the logits GEMM, then ``_chunk_dlogits`` in place. ``vectors``: the rows' ``RowVectors``."""
     r, c = z.shape
+    softcap = params.softcap
     plan.gemm("logits (recomputed)", h_rows, weight[c0:c1].t(), z)
     cfg = tile_config(z.device, r)
     y, m, log_s, ent, g, ge = vectors.tensors()
     plan.kernel(
         "chunk_dlogits", _chunk_dlogits, (triton.cdiv(r, cfg.block_n), triton.cdiv(c, cfg.block_c)),
         z, z if bias is None else bias, y, m, log_s, m if ent is None else ent, m if g is None else g,
-        m if ge is None else ge, r, c, c0, z.stride(0), 1.0 / temperature, 1.0 if softcap is None else softcap,
+        m if ge is None else ge, r, c, c0, z.stride(0), 1.0 / params.temperature, 1.0 if softcap is None else softcap,
         int(bias is not None), int(softcap is not None), int(g is not None), int(ge is not None),
         BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
     )

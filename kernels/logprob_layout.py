@@ -3,7 +3,8 @@ accumulator lives and how they walk the vocabulary, planned from sizes alone.
 
 Everything here is pure: ints in, frozen dataclasses out, no tensors and no torch ops. The launchers in
 ``grpo_fast.kernels.linear_logprobs`` only walk what these functions return (every size they use is a field here),
-within one temporaries budget, ``scratch_bytes()`` (``GRPO_FAST_SCRATCH_MIB``, 64 MiB by default).
+and the torch path (``grpo_fast.logprobs_torch``) takes its tiles from ``torch_chunks``: both keep to one temporaries
+budget, ``scratch_bytes()`` (``GRPO_FAST_SCRATCH_MIB``, 64 MiB by default).
 
 Forward (``forward_layout``). One ``[N, C]`` logits buffer in the input dtype takes the budget, less room for the
 per-row statistics; the vocabulary goes in chunks of that width, each chunk's columns split over ``splits`` programs
@@ -331,6 +332,35 @@ def backward_layout(n: int, active: int, h: int, v: int, elem: int, budget: int,
         walk = vocab_walk(n, rows, h, v, elem, free, gathered=gathered, need_hidden=need_hidden,
                           need_weight=need_weight)
     return BackwardLayout(rows, gathered, free, walk)
+
+
+# ------------------------------------------------------------------------------------------------ the torch path
+class TorchChunks(NamedTuple):
+    """The torch path's tiles: ``[token_chunk, vocab_chunk]`` logits."""
+
+    token_chunk: int
+    vocab_chunk: int
+
+
+MAX_TORCH_VOCAB_CHUNK = 4096
+MIN_TORCH_CHUNK = 128
+
+
+def torch_chunks(n: int, v: int, h: int, budget: int, vocab_chunk: int | None = None,
+                 token_chunk: int | None = None) -> TorchChunks:
+    """The torch path's tile for ``n`` rows, ``v`` columns and hidden size ``h``: explicit sizes as given, else from
+    ``budget``: one fp32 logits tile at most an eighth of it (``budget // 32`` elements), the fp32 ``[vocab_chunk,
+    H]`` d-weight accumulator and ``[token_chunk, H]`` row buffers at most a quarter each. The default 64 MiB gives
+    8 MiB tiles and 16 MiB row buffers."""
+    tile_elems, row_bytes = budget // 32, budget // 4
+    c = vocab_chunk
+    if c is None:
+        c = min(v, MAX_TORCH_VOCAB_CHUNK, max(MIN_TORCH_CHUNK, row_bytes // (4 * max(h, 1))))
+    t = token_chunk
+    if t is None:
+        t = min(max(n, 1), max(1, tile_elems // c), max(MIN_TORCH_CHUNK, row_bytes // (4 * max(h, 1))))
+    assert c >= 1 and t >= 1, "chunk sizes must be positive"
+    return TorchChunks(t, c)
 
 
 # ------------------------------------------------------------------------------------------------ the map

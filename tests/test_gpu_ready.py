@@ -163,15 +163,16 @@ def test_launchers_are_data_under_capture():
     target's table gives and the column split the target's SM count asks for, so the static gate compiles what a
     launch would run and the cost model prices it."""
     from grpo_fast.kernels.launch import Target, capture
-    from grpo_fast.kernels.linear_logprobs import CONFIGS, linear_logprob_forward
+    from grpo_fast.kernels.linear_logprobs import CONFIGS, forward
     from grpo_fast.kernels.plan import Plan
+    from grpo_fast.logprobs_torch import LogprobParams
 
     meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
     for target, family, sms in ((Target("cuda", 90, 32), "sm90", 132), (Target("hip", "gfx942", 64), "cdna", 304)):
         plan = Plan()
         with capture(target, sms=sms) as launches:
-            linear_logprob_forward(meta(1000, 4096), meta(32000, 4096), meta(1000, dtype=torch.int64), None, 1.0,
-                                   None, True, plan=plan)
+            forward(meta(1000, 4096), meta(32000, 4096), meta(1000, dtype=torch.int64), None,
+                    LogprobParams(return_entropy=True), plan=plan)
         stats, final = launches  # one vocabulary chunk (32000 x 1000 bf16 fits 64 MiB) and the merge
         cfg = CONFIGS[(family, "small")]
         row_blocks = -(-1000 // cfg.block_n)

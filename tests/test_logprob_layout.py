@@ -17,6 +17,7 @@ from grpo_fast.kernels import logprob_layout as lay
 from grpo_fast.kernels.launch import Target, capture
 from grpo_fast.kernels.logprob_layout import AccHome
 from grpo_fast.kernels.plan import Plan
+from grpo_fast.logprobs_torch import LogprobParams, SavedStats
 
 MIB = 2**20
 
@@ -216,11 +217,10 @@ def _plans(n, h, v, dtype, budget, *, entropy, need, bias=False, softcap=False, 
     ge = meta(n, dt=f32) if entropy and "e" in need else None
     fwd, bwd = Plan(), Plan()
     with capture(Target("cuda", 90, 32), sms=sms):
-        _, ent, m, log_s = ll.linear_logprob_forward(hidden, weight, y, b, 0.7, 30.0 if softcap else None, entropy,
-                                                     plan=fwd, budget=budget)
-        ll.linear_logprob_backward(hidden, weight, y, b, m, log_s, ent, g, ge, 0.7, 30.0 if softcap else None,
-                                   "h" in need, "w" in need, bias and "b" in need,
-                                   rows=None if rows is None else meta(rows, dt=torch.int64), plan=bwd, budget=budget)
+        params = LogprobParams(0.7, 30.0 if softcap else None, entropy, budget=budget)
+        _, ent, m, log_s = ll.forward(hidden, weight, y, b, params, plan=fwd)
+        ll.backward(hidden, weight, y, b, SavedStats(m, log_s, ent), g, ge, params, "h" in need, "w" in need,
+                    bias and "b" in need, rows=None if rows is None else meta(rows, dt=torch.int64), plan=bwd)
     return fwd, bwd
 
 
@@ -328,3 +328,31 @@ def test_a_kernel_without_a_traffic_declaration_is_refused():
     """``Plan.kernel`` takes a launch's bytes from the kernel's own declaration, never from the call site."""
     with pytest.raises(LookupError, match="declares no traffic"):
         Plan().kernel("undeclared", object(), (1,), num_warps=1)
+
+
+# ------------------------------------------------------------------------------------------------ the torch path
+def _torch_chunks_before(n, v, h):
+    """The torch path's automatic tile as it was before the budget governed it: an fp32 tile of at most 2 Mi
+    elements (8 MiB), a d-weight accumulator and row buffers of at most 16 MiB."""
+    c = min(v, 4096, max(128, 16 * MIB // (4 * max(h, 1))))
+    return min(max(n, 1), max(1, 2 * 1024 * 1024 // c), max(128, 16 * MIB // (4 * max(h, 1)))), c
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 300, 4096, 16384, 100000])
+@pytest.mark.parametrize("v, h", [(300, 16), (1151, 48), (32000, 512), (151936, 4096), (128256, 8192), (53, 100000)])
+def test_torch_chunks_at_the_default_budget_are_the_old_ones(n, v, h):
+    """The budget that governs the GPU path governs the torch path's tiles too, mapped so that the default 64 MiB
+    gives the tiles it always had (same chunking: same numerics, same speed)."""
+    assert tuple(lay.torch_chunks(n, v, h, lay.DEFAULT_SCRATCH_BYTES)) == _torch_chunks_before(n, v, h)
+    assert lay.torch_chunks(n, v, h, lay.DEFAULT_SCRATCH_BYTES, vocab_chunk=37, token_chunk=5) == (5, 37)
+
+
+def test_the_torch_path_reads_the_budget_setting(monkeypatch):
+    from grpo_fast.logprobs_torch import LogprobParams
+
+    monkeypatch.delenv("GRPO_FAST_SCRATCH_MIB", raising=False)
+    assert LogprobParams().budget_bytes() == lay.DEFAULT_SCRATCH_BYTES
+    monkeypatch.setenv("GRPO_FAST_SCRATCH_MIB", "8")
+    assert LogprobParams().budget_bytes() == 8 * MIB and LogprobParams(budget=4096).budget_bytes() == 4096
+    assert lay.torch_chunks(16384, 151936, 4096, 8 * MIB) == (128, 128)  # row buffers <= 2 MiB: the 128 floors
+    assert lay.torch_chunks(4096, 32000, 512, 8 * MIB) == (256, 1024)

@@ -16,6 +16,7 @@ from grpo_fast.kernels import linear_logprobs as ll
 from grpo_fast.kernels.launch import Target, capture
 from grpo_fast.kernels.logprob_layout import AccHome, backward_layout
 from grpo_fast.kernels.plan import Plan
+from grpo_fast.logprobs_torch import LogprobParams, SavedStats
 from grpo_fast.testing import assert_close_rule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,11 +143,10 @@ def test_temporaries_stay_within_the_budget_at_gpu_sizes(n, h, v, dtype):
     fwd, bwd = Plan(), Plan()
     with capture(Target("cuda", 90, 32), sms=132):
         block_n = ll.tile_config(torch.device("meta"), n).block_n
-        _, _, m, log_s = ll.linear_logprob_forward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, 1.0, None,
-                                                   False, plan=fwd, budget=budget)
-        ll.linear_logprob_backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, m, log_s, None,
-                                   meta(n, dt=torch.float32), None, 1.0, None, True, True, False, plan=bwd,
-                                   budget=budget)
+        params = LogprobParams(budget=budget)
+        _, _, m, log_s = ll.forward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, params, plan=fwd)
+        ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, SavedStats(m, log_s),
+                    meta(n, dt=torch.float32), None, params, True, True, False, rows=None, plan=bwd)
     assert fwd.peak_bytes <= budget and bwd.peak_bytes <= budget
     stats = [s for s in fwd.steps if s.name == "chunk_stats"]
     assert len(stats) == len([s for s in fwd.steps if s.name == "logits"]) and len(fwd.steps) == 2 * len(stats) + 1
@@ -161,9 +161,9 @@ def test_frozen_lm_head_backward_stays_within_the_budget(dtype):
     meta = lambda *s, dt=dtype: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
     bwd = Plan()
     with capture(Target("cuda", 90, 32), sms=132):
-        ll.linear_logprob_backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, meta(n, dt=torch.float32),
-                                   meta(n, dt=torch.float32), None, meta(n, dt=torch.float32), None, 1.0, None, True,
-                                   False, False, plan=bwd, budget=ll.DEFAULT_SCRATCH_MIB * 2**20)
+        ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None,
+                    SavedStats(meta(n, dt=torch.float32), meta(n, dt=torch.float32)), meta(n, dt=torch.float32), None,
+                    LogprobParams(budget=ll.DEFAULT_SCRATCH_MIB * 2**20), True, False, False, rows=None, plan=bwd)
     assert bwd.peak_bytes <= ll.DEFAULT_SCRATCH_MIB * 2**20
     assert bwd.flops == 4 * n * h * v
 
@@ -190,9 +190,9 @@ def test_frozen_head_stripes_halve_in_grad_hidden():
     meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
     bwd = Plan()
     with capture(Target("cuda", 90, 32), sms=132):
-        ll.linear_logprob_backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, meta(n, dt=torch.float32),
-                                   meta(n, dt=torch.float32), None, meta(n, dt=torch.float32), None, 1.0, None, True,
-                                   False, False, plan=bwd, budget=64 * 2**20)
+        ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None,
+                    SavedStats(meta(n, dt=torch.float32), meta(n, dt=torch.float32)), meta(n, dt=torch.float32), None,
+                    LogprobParams(budget=64 * 2**20), True, False, False, rows=None, plan=bwd)
     stripes = [s.shape[0] // h for s in bwd.steps if s.name == "zero"]  # each stripe zeroes its accumulator
     assert stripes == [8192, 4096, 2048, 2048] and sum(stripes) == n
     widths = [s.shape[1] for s in bwd.steps if s.name == "logits (recomputed)"]

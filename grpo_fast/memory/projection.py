@@ -346,10 +346,11 @@ def adam_temporaries(shape: ModelShape, trained: int, device: str, training: Tra
 
 
 def fused_tile_bytes(tokens: int, shape: ModelShape) -> int:
-    """One fp32 ``[token_chunk, vocab_chunk]`` tile of the fused log-prob op's torch path (its own chunk sizes)."""
-    from grpo_fast.logprobs_torch import LogprobParams, _chunk_sizes
+    """One fp32 ``[token_chunk, vocab_chunk]`` tile of the fused log-prob op's torch path (its chunk sizes at the
+    default temporaries budget)."""
+    from grpo_fast.kernels.logprob_layout import DEFAULT_SCRATCH_BYTES, torch_chunks
 
-    t, c = _chunk_sizes(tokens, shape.vocab_size, shape.hidden_size, LogprobParams())
+    t, c = torch_chunks(tokens, shape.vocab_size, shape.hidden_size, DEFAULT_SCRATCH_BYTES)
     return t * c * 4
 
 
