@@ -89,12 +89,14 @@ def _tile_sizes(n: int, v: int, h: int, params: LogprobParams) -> tuple[int, int
     return torch_chunks(n, v, h, params.budget_bytes(), params.vocab_chunk, params.token_chunk)
 
 
-def _tile(h_rows: Tensor, w_c: Tensor, bias_c: Tensor | None, params: LogprobParams, acc: torch.dtype, keep_tanh: bool):
-    """Shaped logits ``z [T, C]`` (acc dtype) of ``h_rows [T, H]`` against ``w_c [C, H]``, and ``tanh(z_raw/softcap)``.
+def _tile(h_rows: Tensor, w_c: Tensor, bias_c: Tensor | None, params: LogprobParams, acc_dtype: torch.dtype,
+          keep_tanh: bool):
+    """Shaped logits ``z [T, C]`` (``acc_dtype``) of ``h_rows [T, H]`` against ``w_c [C, H]``, and
+    ``tanh(z_raw/softcap)``.
 
-    The matmul runs in the input dtype, like the lm_head it replaces; the cast and everything after it in ``acc``.
+    The matmul runs in the input dtype, like the lm_head it replaces; the cast and everything after it in ``acc_dtype``.
     """
-    x = (h_rows @ w_c.t()).to(acc)
+    x = (h_rows @ w_c.t()).to(acc_dtype)
     if bias_c is not None:
         x.add_(bias_c)
     u = None
@@ -121,27 +123,28 @@ def forward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | N
     weight ``[V, H]``, target_ids ``[N]`` int64, bias ``[V]`` or None."""
     n, h = hidden.shape
     v = weight.shape[0]
-    acc = stats_dtype(hidden.dtype)
-    tb, cb = _tile_sizes(n, v, h, params)
+    acc_dtype = stats_dtype(hidden.dtype)
+    token_chunk, vocab_chunk = _tile_sizes(n, v, h, params)
     want_ent = params.return_entropy
     lowest = torch.finfo(torch.float64).min
-    logps = torch.empty(n, dtype=acc, device=hidden.device)
-    ent = torch.empty(n, dtype=acc, device=hidden.device) if want_ent else None
-    m_all = torch.empty(n, dtype=acc, device=hidden.device)
-    logs_all = torch.empty(n, dtype=acc, device=hidden.device)
-    bias_acc = None if bias is None else bias.to(acc)
-    for t0 in range(0, n, tb):
-        t1 = min(t0 + tb, n)
+    logps = torch.empty(n, dtype=acc_dtype, device=hidden.device)
+    ent = torch.empty(n, dtype=acc_dtype, device=hidden.device) if want_ent else None
+    m_all = torch.empty(n, dtype=acc_dtype, device=hidden.device)
+    logs_all = torch.empty(n, dtype=acc_dtype, device=hidden.device)
+    bias_acc = None if bias is None else bias.to(acc_dtype)
+    for t0 in range(0, n, token_chunk):
+        t1 = min(t0 + token_chunk, n)
         h_blk, y_blk = hidden[t0:t1], target_ids[t0:t1]
-        m = torch.full((t1 - t0,), float("-inf"), dtype=acc, device=hidden.device)
+        m = torch.full((t1 - t0,), float("-inf"), dtype=acc_dtype, device=hidden.device)
         zy = torch.zeros_like(m)
         # The running sums cross chunks in float64: [T] vectors, so free, and the result does not drift with the
         # number of vocab chunks (each chunk's own sum is a vectorised fp32 reduction, as in log_softmax).
         s = torch.zeros(t1 - t0, dtype=torch.float64, device=hidden.device)
         t = torch.zeros_like(s)  # sum exp(z - m) * (z - m)
-        for c0 in range(0, v, cb):
-            c1 = min(c0 + cb, v)
-            z, _ = _tile(h_blk, weight[c0:c1], None if bias_acc is None else bias_acc[c0:c1], params, acc, False)
+        for c0 in range(0, v, vocab_chunk):
+            c1 = min(c0 + vocab_chunk, v)
+            z, _ = _tile(h_blk, weight[c0:c1], None if bias_acc is None else bias_acc[c0:c1], params, acc_dtype,
+                         False)
             in_chunk, col = _target_in_chunk(y_blk, c0, c1 - c0)
             zy = torch.where(in_chunk, z.gather(1, col).squeeze(1), zy)
             m_new = torch.maximum(m, z.amax(1))
@@ -167,15 +170,15 @@ def forward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | N
     return logps, ent, m_all, logs_all
 
 
-def _active_blocks(active: Tensor, tb: int):
+def _active_blocks(active: Tensor, token_chunk: int):
     """Token blocks holding at least one active row: ``(t0, t1, idx)`` with ``idx`` None when the whole block is."""
     n = active.shape[0]
     idx_all = active.nonzero().squeeze(1)
-    starts = torch.arange(0, n, tb, device=active.device)
+    starts = torch.arange(0, n, token_chunk, device=active.device)
     bounds = torch.searchsorted(idx_all, torch.cat([starts, starts.new_tensor([n])])).tolist()
     blocks = []
-    for i, t0 in enumerate(range(0, n, tb)):
-        t1 = min(t0 + tb, n)
+    for i, t0 in enumerate(range(0, n, token_chunk)):
+        t1 = min(t0 + token_chunk, n)
         lo, hi = bounds[i], bounds[i + 1]
         if hi == lo:
             continue
@@ -183,19 +186,20 @@ def _active_blocks(active: Tensor, tb: int):
     return blocks
 
 
-def _rows(x: Tensor | None, t0: int, t1: int, idx: Tensor | None) -> Tensor | None:
+def _select_rows(x: Tensor | None, t0: int, t1: int, idx: Tensor | None) -> Tensor | None:
     if x is None:
         return None
     return x[t0:t1] if idx is None else x.index_select(0, idx)
 
 
-def torch_tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, params, acc):
-    """``dz [R, C]`` (acc dtype): d loss / d raw logits of rows ``h_r [R, H]`` against the vocab chunk ``[c0, c1)``.
+def _tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, params, acc_dtype):
+    """``dz [R, C]`` (``acc_dtype``): d loss / d raw logits of rows ``h_r [R, H]`` against the vocab chunk
+    ``[c0, c1)``.
 
     ``dz = g (onehot - p) - ge p (log p + H)``, divided by the temperature and times ``1 - tanh^2`` under softcap.
     m_r, logs_r, ent_r: ``[R, 1]``; g_r, ge_r: ``[R]`` or None.
     """
-    z, u = _tile(h_r, w_c, bias_c, params, acc, True)
+    z, u = _tile(h_r, w_c, bias_c, params, acc_dtype, True)
     logp = z.sub_(m_r).sub_(logs_r)  # (z - m) - log s, exact at large logit offsets
     p = logp.exp()
     if ge_r is not None:
@@ -222,73 +226,73 @@ def backward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | 
     """``(d hidden, d weight, d bias)`` of ``sum(g * logp + ge * entropy)`` (None where not needed); g, ge: ``[N]`` or
     None. Rows whose g and ge are both zero cost nothing."""
     m_all, logs_all, ent = saved.m, saved.log_s, saved.entropy
-    need_h, need_w, need_b = need_hidden, need_weight, need_bias
     n, h = hidden.shape
     v = weight.shape[0]
     dtype = hidden.dtype
-    acc = stats_dtype(dtype)
-    same = dtype == acc  # fp32/fp64: accumulate straight into the gradient tensors with addmm_
-    tb, cb = _tile_sizes(n, v, h, params)
+    acc_dtype = stats_dtype(dtype)
+    in_place = dtype == acc_dtype  # fp32/fp64: accumulate straight into the gradient tensors with addmm_
+    token_chunk, vocab_chunk = _tile_sizes(n, v, h, params)
 
     active = torch.zeros(n, dtype=torch.bool, device=hidden.device)
     if g is not None:
-        g = g.to(acc)
+        g = g.to(acc_dtype)
         active |= g != 0
     if ge is not None:
-        ge = ge.to(acc)
+        ge = ge.to(acc_dtype)
         active |= ge != 0
-    blocks = _active_blocks(active, tb) if n else []
+    blocks = _active_blocks(active, token_chunk) if n else []
 
-    dh = torch.zeros(n, h, dtype=acc, device=hidden.device) if need_h else None
-    gw = torch.zeros_like(weight) if need_w else None
-    db = torch.zeros(v, dtype=acc, device=hidden.device) if need_b else None
+    dh = torch.zeros(n, h, dtype=acc_dtype, device=hidden.device) if need_hidden else None
+    gw = torch.zeros_like(weight) if need_weight else None
+    db = torch.zeros(v, dtype=acc_dtype, device=hidden.device) if need_bias else None
     if not blocks:  # every upstream gradient is exactly zero
         return (None if dh is None else dh.to(dtype)), gw, (None if db is None else db.to(bias.dtype))
 
-    bias_acc = None if bias is None else bias.to(acc)
+    bias_acc = None if bias is None else bias.to(acc_dtype)
     # Per-block row data, selected once: [T] vectors only (hidden rows are selected per tile, never all at once).
-    rows = []
+    block_rows = []
     for t0, t1, idx in blocks:
-        rows.append((t0, t1, idx, _rows(target_ids, t0, t1, idx), _rows(g, t0, t1, idx), _rows(ge, t0, t1, idx),
-                     _rows(m_all, t0, t1, idx).unsqueeze(1), _rows(logs_all, t0, t1, idx).unsqueeze(1),
-                     None if ge is None else _rows(ent, t0, t1, idx).unsqueeze(1)))
+        block_rows.append((t0, t1, idx, _select_rows(target_ids, t0, t1, idx), _select_rows(g, t0, t1, idx),
+                           _select_rows(ge, t0, t1, idx), _select_rows(m_all, t0, t1, idx).unsqueeze(1),
+                           _select_rows(logs_all, t0, t1, idx).unsqueeze(1),
+                           None if ge is None else _select_rows(ent, t0, t1, idx).unsqueeze(1)))
 
-    for c0 in range(0, v, cb):
-        c1 = min(c0 + cb, v)
+    for c0 in range(0, v, vocab_chunk):
+        c1 = min(c0 + vocab_chunk, v)
         w_c = weight[c0:c1]
         # dW chunk: fp32/fp64 rows of grad_weight itself, else one fp32 [C, H] buffer written once at the end.
         dw_c = None
-        if need_w:
-            dw_c = gw[c0:c1] if same else torch.zeros(c1 - c0, h, dtype=acc, device=hidden.device)
-        for t0, t1, idx, y_r, g_r, ge_r, m_r, logs_r, ent_r in rows:
-            h_r = _rows(hidden, t0, t1, idx)
-            dz = torch_tile_grad(h_r, w_c, None if bias_acc is None else bias_acc[c0:c1], y_r, g_r, ge_r, m_r, logs_r,
-                           ent_r, c0, c1, params, acc)
-            if need_b:
+        if need_weight:
+            dw_c = gw[c0:c1] if in_place else torch.zeros(c1 - c0, h, dtype=acc_dtype, device=hidden.device)
+        for t0, t1, idx, y_r, g_r, ge_r, m_r, logs_r, ent_r in block_rows:
+            h_r = _select_rows(hidden, t0, t1, idx)
+            dz = _tile_grad(h_r, w_c, None if bias_acc is None else bias_acc[c0:c1], y_r, g_r, ge_r, m_r, logs_r,
+                            ent_r, c0, c1, params, acc_dtype)
+            if need_bias:
                 db[c0:c1] += dz.sum(0)
             # fp32/fp64 inputs: matmuls in that dtype, accumulated in place (addmm_). bf16/fp16 inputs: dz is cast
             # to the input dtype so the matmuls run on the fast low-precision path (as Liger and TRL do), and each
             # product comes back into an fp32 accumulator; no fp32 copy of W or of hidden is ever made.
-            dz_mm = dz if same else dz.to(dtype)
+            dz_mm = dz if in_place else dz.to(dtype)
             del dz
-            if need_h:
+            if need_hidden:
                 if idx is None:
-                    if same:
+                    if in_place:
                         dh[t0:t1].addmm_(dz_mm, w_c)
                     else:
                         dh[t0:t1] += torch.mm(dz_mm, w_c)  # in-place promotion: no fp32 copy of the product
                 else:
-                    dh.index_add_(0, idx, torch.mm(dz_mm, w_c).to(acc))  # [rows, H]: index_add_ wants one dtype
-            if need_w:
-                if same:
+                    dh.index_add_(0, idx, torch.mm(dz_mm, w_c).to(acc_dtype))  # index_add_ wants one dtype
+            if need_weight:
+                if in_place:
                     dw_c.addmm_(dz_mm.t(), h_r)
                 else:
                     dw_c += torch.mm(dz_mm.t(), h_r)
             del dz_mm, h_r
-        if need_w and not same:
+        if need_weight and not in_place:
             gw[c0:c1] = dw_c
         del dw_c
 
-    grad_h = None if dh is None else (dh if same else dh.to(dtype))
+    grad_h = None if dh is None else (dh if in_place else dh.to(dtype))
     grad_b = None if db is None else db.to(bias.dtype)
     return grad_h, gw, grad_b

@@ -341,7 +341,7 @@ def forward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor
     run_t = plan.scratch((layout.splits, n), torch.float64, dev) if return_entropy else run_s
     zy = plan.scratch((n,), torch.float32, dev)
     softcap = params.softcap
-    inv_temp, cap = 1.0 / params.temperature, 1.0 if softcap is None else softcap
+    inv_temp, softcap_arg = 1.0 / params.temperature, 1.0 if softcap is None else softcap  # 1.0: unused
     for c0, c1, split in layout.chunks:
         c = c1 - c0
         z = buf[:, :c] if c == layout.buffer_chunk else buf.view(-1)[: n * c].view(n, c)
@@ -349,7 +349,8 @@ def forward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor
         plan.kernel(
             "chunk_stats", _chunk_stats, (triton.cdiv(n, cfg.block_n), layout.splits),
             z, z if bias is None else bias, target_ids, run_m, run_s, run_t, zy,
-            n, c, c0, z.stride(0), split, inv_temp, cap, int(c0 == 0), int(bias is not None), int(softcap is not None),
+            n, c, c0, z.stride(0), split, inv_temp, softcap_arg, int(c0 == 0), int(bias is not None),
+            int(softcap is not None),
             RETURN_ENTROPY=return_entropy, BLOCK_N=cfg.block_n, BLOCK_C=cfg.block_c, num_warps=cfg.num_warps,
         )
     plan.release(buf)

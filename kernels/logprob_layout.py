@@ -185,21 +185,21 @@ def vocab_walk(n: int, rows: int, h: int, v: int, elem: int, budget: int, *, gat
     the temporaries when ``temporary_acc_rows`` allows, else into the gradients' own storage: grad_hidden's bytes
     past the gathered rows, then the tail of grad_weight (``2 n H tail`` more FLOPs); when it would need the tail and
     there is no grad_weight, or the tail would be all of it, it stays a temporary (over the budget)."""
-    home, acc_lo, acc_offset, tail = None, 0, 0, 0
-    if need_hidden:
-        home = AccHome.GRADIENT if elem == 4 and not gathered else AccHome.TEMPORARY
+    # where the accumulator goes: one home, or (in_storage) rows [0, in_grad_hidden) in grad_hidden's bytes from
+    # byte acc_offset and the rest in grad_weight's last `tail` rows
+    home = None if not need_hidden else AccHome.GRADIENT if elem == 4 and not gathered else AccHome.TEMPORARY
+    in_storage, in_grad_hidden, acc_offset, tail = False, 0, 0, 0
     if home is AccHome.TEMPORARY and rows > temporary_acc_rows(h, budget):
         acc_offset = align16(rows * h * elem) if gathered else 0  # the gathered rows come first
-        acc_lo = max(0, min(rows, (n * h * elem - acc_offset) // (ACC_ELEM * h)))
-        if acc_lo < rows:
-            tail = -(-(rows - acc_lo) * ACC_ELEM // elem)
+        in_grad_hidden = max(0, min(rows, (n * h * elem - acc_offset) // (ACC_ELEM * h)))
+        if in_grad_hidden < rows:
+            tail = -(-(rows - in_grad_hidden) * ACC_ELEM // elem)
             while (v - tail) * h * elem % 16:  # the accumulator's rows start 16-byte aligned
                 tail += 1
-        if tail == 0 or (need_weight and tail < v):
-            home = None  # split between grad_hidden's free bytes and the tail
-        else:
-            acc_lo, acc_offset, tail = 0, 0, 0
-    if home is AccHome.TEMPORARY:
+        in_storage = tail == 0 or (need_weight and tail < v)  # else the exception: a temporary over the budget
+        if not in_storage:
+            tail = 0
+    if home is AccHome.TEMPORARY and not in_storage:
         budget = max(budget - ACC_ELEM * rows * h, 0)
     buffer_cap = widest_chunk(rows, elem, v, budget)
 
@@ -224,9 +224,9 @@ def vocab_walk(n: int, rows: int, h: int, v: int, elem: int, budget: int, *, gat
     recompute = tuple((c0, min(c0 + recompute_chunk, v)) for c0 in range(v - tail, v, recompute_chunk or 1))
     buffer_chunk = max((c1 - c0 for c0, c1, in_weight in chunks if not in_weight), default=0)
 
-    if home is None and need_hidden:
-        acc = tuple(p for p in (AccPiece(0, acc_lo, AccHome.GRAD_HIDDEN, acc_offset, _cast_piece(h, budget)),
-                                AccPiece(acc_lo, rows - acc_lo, AccHome.GRAD_WEIGHT)) if p.rows)
+    if in_storage:
+        acc = tuple(p for p in (AccPiece(0, in_grad_hidden, AccHome.GRAD_HIDDEN, acc_offset, _cast_piece(h, budget)),
+                                AccPiece(in_grad_hidden, rows - in_grad_hidden, AccHome.GRAD_WEIGHT)) if p.rows)
     else:
         acc = () if home is None else (AccPiece(0, rows, home),)
     move_piece = _cast_piece(h, budget) if gathered and need_hidden else 0  # budget: less a TEMPORARY accumulator
@@ -265,35 +265,35 @@ def stripe_walk(n: int, rows: int, h: int, v: int, elem: int, budget: int, *, ga
     ``temporary_acc_rows``, and before that lives in grad_hidden's bytes that no finished stripe (nor a gathered
     row) holds, so stripes halve and the chunk buffer gets the whole budget. Launches: 3 per (stripe, chunk), about
     ``3 N V elem / budget`` in all."""
-    cap = temporary_acc_rows(h, budget)
-    temporary_rows = min(rows, max(1, cap))  # the rows of a stripe whose accumulator is a temporary
-    plan: list[tuple[int, int, AccHome, int]] = []  # (r0, r1, home, byte offset in grad_hidden)
+    temporary_max = temporary_acc_rows(h, budget)
+    temporary_rows = min(rows, max(1, temporary_max))  # the rows of a stripe whose accumulator is a temporary
+    bounds: list[tuple[int, int, AccHome, int]] = []  # (r0, r1, home, byte offset in grad_hidden)
     r0 = 0
     while r0 < rows:
         if elem == 4 and not gathered:
-            plan.append((0, rows, AccHome.GRADIENT, 0))
+            bounds.append((0, rows, AccHome.GRADIENT, 0))
             break
-        if rows - r0 <= cap:
-            plan.append((r0, rows, AccHome.TEMPORARY, 0))
+        if rows - r0 <= temporary_max:
+            bounds.append((r0, rows, AccHome.TEMPORARY, 0))
             break
         offset = align16((rows if gathered else r0) * h * elem)  # past the rows in use
         take = min(rows - r0, max(0, (n * h * elem - offset) // (ACC_ELEM * h)))
-        if take <= cap:  # no room worth a stripe: a temporary's worth of rows
+        if take <= temporary_max:  # no room worth a stripe: a temporary's worth of rows
             take = min(rows - r0, temporary_rows)
-            plan.append((r0, r0 + take, AccHome.TEMPORARY, 0))
+            bounds.append((r0, r0 + take, AccHome.TEMPORARY, 0))
         else:
-            plan.append((r0, r0 + take, AccHome.GRAD_HIDDEN, offset))
+            bounds.append((r0, r0 + take, AccHome.GRAD_HIDDEN, offset))
         r0 += take
 
     def acc_bytes(r: int, home: AccHome) -> int:  # a TEMPORARY accumulator takes the end of the buffer
         return align16(ACC_ELEM * r * h) if home is AccHome.TEMPORARY else 0
 
     chunk = {(r1 - r0, home): widest_chunk(r1 - r0, elem, v, max(budget - acc_bytes(r1 - r0, home), 0))
-             for r0, r1, home, _ in plan}
+             for r0, r1, home, _ in bounds}
     space = max(r * c * elem + acc_bytes(r, home) for (r, home), c in chunk.items())
     buffer_elems = align16(space) // elem
     stripes = []
-    for r0, r1, home, offset in plan:
+    for r0, r1, home, offset in bounds:
         cast = 0
         if home is AccHome.TEMPORARY:
             offset = buffer_elems * elem - acc_bytes(r1 - r0, home)
