@@ -48,32 +48,11 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, top_entropy_qua
     return (torch.where(valid, entropy, 0.0) >= threshold) & valid
 
 
-def _vespo_phi(adv, log_ratio, mask, sampling_ratio, config):
-    """TRL ``get_gamma_weights`` (no gradient): one weight per sequence, broadcast like ``adv`` (``[B, T]`` here)."""
-    lower = math.log(1e-8)
-    seq = torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
-    if sampling_ratio is not None:
-        seq = seq + torch.log(sampling_ratio).clamp(lower, 20.0).sum(-1, keepdim=True)
-    log_w = seq.clamp(lower, 20.0)
-    nonneg = adv >= 0
-    k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg)
-    lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).clamp(min=1e-4)
-    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
-    return phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _policy_term(config, r, adv, logp):
-    """Per-token policy loss P and its partials ``dP/dr`` and ``dP/dlogp`` (direct, at fixed r)."""
-    loss_type = config.loss_type
-    zero = torch.zeros_like(r)
-    if loss_type == LossType.CISPO:
-        c = torch.clamp(r, max=config.eps_high)
-        return -c * adv * logp, zero, -c * adv
-    if loss_type == LossType.SAPO:
-        tau = torch.where(adv > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
-        sig = torch.sigmoid(tau * (r - 1))
-        return -sig * 4 / tau * adv, -4 * adv * sig * (1 - sig), zero
-    # clip family: -min(r1 * A, r2 * A)
+# The per-token terms, one function per term, in the order the Triton kernel (grpo_fast.kernels.grpo_loss) has its
+# helpers of the same names. Each policy term returns (P, dP/dr, dP/dlogp at fixed r).
+def _clip_term(config, r, adv):
+    """The clip family's ``-min(r1 * A, r2 * A)``, ``r1 = min(r, delta)``, ``r2 = clamp(r, 1 - epsilon_low, 1 +
+    eps_high)``, with autograd's tie rule for ``min`` and clamp's at the bounds."""
     r2 = torch.clamp(r, 1 - config.epsilon_low, 1 + config.eps_high)
     dr2 = ((r >= 1 - config.epsilon_low) & (r <= 1 + config.eps_high)).to(r.dtype)
     if config.delta is None:
@@ -83,7 +62,66 @@ def _policy_term(config, r, adv, logp):
     a, b = r1 * adv, r2 * adv
     take_a = torch.where(a < b, 1.0, torch.where(a == b, 0.5, 0.0)).to(r.dtype)
     dP_dr = -(take_a * adv * dr1 + (1 - take_a) * adv * dr2)
-    return -torch.minimum(a, b), dP_dr, zero
+    return -torch.minimum(a, b), dP_dr, torch.zeros_like(r)
+
+
+def _cispo_term(config, r, adv, logp):
+    """``-min(r, eps_high).detach() * A * logp`` (the capped ratio is a constant)."""
+    c = torch.clamp(r, max=config.eps_high)
+    return -c * adv * logp, torch.zeros_like(r), -c * adv
+
+
+def _sapo_term(config, r, adv):
+    """``-sigmoid(tau (r - 1)) * 4 / tau * A``, tau by the sign of A."""
+    tau = torch.where(adv > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
+    sig = torch.sigmoid(tau * (r - 1))
+    return -sig * 4 / tau * adv, -4 * adv * sig * (1 - sig), torch.zeros_like(r)
+
+
+def _vespo_log_weight(log_ratio, mask, sampling_ratio):
+    """The log of VESPO's per-sequence importance weight, clamped (TRL ``get_gamma_weights``): ``[B, 1]``."""
+    lower = math.log(1e-8)
+    seq = torch.where(mask, log_ratio.clamp(-20.0, 20.0), 0.0).sum(-1, keepdim=True)
+    if sampling_ratio is not None:
+        seq = seq + torch.log(sampling_ratio).clamp(lower, 20.0).sum(-1, keepdim=True)
+    return seq.clamp(lower, 20.0)
+
+
+def _vespo_term(config, adv, logp, log_w):
+    """``-phi(w) * A * logp`` with ``phi`` detached (TRL ``get_gamma_weights``, no gradient): one weight per sequence,
+    broadcast like ``adv``; NaN and +-inf weights are 0."""
+    nonneg = adv >= 0
+    k = torch.where(nonneg, config.vespo_k_pos, config.vespo_k_neg)
+    lam = torch.where(nonneg, config.vespo_lambda_pos, config.vespo_lambda_neg).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    phi = phi.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    return -phi * adv * logp, torch.zeros_like(logp), -phi * adv
+
+
+def _kl_term(config, diff, r, l, dl_dr, dl_dlogp):
+    """Adds ``beta`` x the k3 KL (``diff = ref - logp``), times r with the bias correction, to the token's loss ``l``
+    and its partials; returns the KL and the three sums."""
+    e = torch.exp(diff)
+    kl0, dkl0 = e - diff - 1, 1 - e
+    if config.use_bias_correction_kl:
+        kl = kl0 * r
+        dl_dr = dl_dr + config.beta * kl0
+        dl_dlogp = dl_dlogp + config.beta * dkl0 * r
+    else:
+        kl = kl0
+        dl_dlogp = dl_dlogp + config.beta * dkl0
+    return kl, l + config.beta * kl, dl_dr, dl_dlogp
+
+
+def _clip_flags(config, r, adv):
+    """The low / high clip-metric flags of the clip family; TRL counts clipping on the delta-clamped ratio."""
+    r_seen = r if config.delta is None else torch.clamp(r, max=config.delta)
+    return (r_seen < 1 - config.epsilon_low) & (adv < 0), (r_seen > 1 + config.eps_high) & (adv > 0)
+
+
+def _cispo_flag(config, r, adv):
+    """cispo's high clip-metric flag: the ratio is capped."""
+    return (r > config.eps_high) & (adv > 0)
 
 
 def loss_scale(config: GRPOLossConfig, m: torch.Tensor, num_items_in_batch) -> torch.Tensor:
@@ -148,11 +186,14 @@ def grpo_loss_terms(
     else:
         r = torch.exp(log_ratio)
 
-    if loss_type == LossType.VESPO:
-        phi = _vespo_phi(adv, log_ratio, mask, sampling_ratio, config)
-        policy, dP_dr, dP_dlogp = -phi * adv * logp, torch.zeros_like(r), -phi * adv
-    else:
-        policy, dP_dr, dP_dlogp = _policy_term(config, r, adv, logp)
+    if loss_type.is_clip_family:
+        policy, dP_dr, dP_dlogp = _clip_term(config, r, adv)
+    elif loss_type == LossType.CISPO:
+        policy, dP_dr, dP_dlogp = _cispo_term(config, r, adv, logp)
+    elif loss_type == LossType.SAPO:
+        policy, dP_dr, dP_dlogp = _sapo_term(config, r, adv)
+    else:  # vespo
+        policy, dP_dr, dP_dlogp = _vespo_term(config, adv, logp, _vespo_log_weight(log_ratio, mask, sampling_ratio))
 
     scale = torch.ones_like(r)  # entropy mask x sampling ratio: multiplies the policy term only
     ent_mask = None
@@ -167,17 +208,7 @@ def grpo_loss_terms(
     dl_dlogp = scale * dP_dlogp  # direct
     kl = None
     if config.beta != 0.0:
-        diff = ref_logps.to(dtype) - logp
-        e = torch.exp(diff)
-        kl0, dkl0 = e - diff - 1, 1 - e
-        if config.use_bias_correction_kl:
-            kl = kl0 * r
-            dl_dr = dl_dr + config.beta * kl0
-            dl_dlogp = dl_dlogp + config.beta * dkl0 * r
-        else:
-            kl = kl0
-            dl_dlogp = dl_dlogp + config.beta * dkl0
-        l = l + config.beta * kl
+        kl, l, dl_dr, dl_dlogp = _kl_term(config, ref_logps.to(dtype) - logp, r, l, dl_dr, dl_dlogp)
 
     loss = torch.where(mask, w * l, 0.0).sum()
     g_r = torch.where(mask, w * dl_dr, 0.0)  # d loss / d r_t (per position)
@@ -203,12 +234,10 @@ def grpo_loss_terms(
 
     low = high = region = None
     if loss_type.is_clip_family:
-        r_seen = r if config.delta is None else torch.clamp(r, max=config.delta)  # TRL counts on the clamped ratio
-        is_low = (r_seen < 1 - config.epsilon_low) & (adv < 0)
-        is_high = (r_seen > 1 + config.eps_high) & (adv > 0)
+        is_low, is_high = _clip_flags(config, r, adv)
         low, high, region = ratio_mean(is_low), ratio_mean(is_high), ratio_mean(is_low | is_high)
     elif loss_type == LossType.CISPO:
-        high = ratio_mean((r > config.eps_high) & (adv > 0))
+        high = ratio_mean(_cispo_flag(config, r, adv))
     return LossTerms(
         loss,
         dlogp,

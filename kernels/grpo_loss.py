@@ -57,6 +57,84 @@ NUM_WARPS = 8
 SPECIALISATIONS_PER_DTYPE = 3  # T % 16 == 0, T == 1, any other T (see the header)
 
 
+# The per-token terms, one helper per term of grpo_fast.loss_torch, same names, same order. Each policy term returns
+# (P, dP/dr, dP/dlogp at fixed r); the hyper-parameters come in the compute dtype.
+@triton.jit
+def _clip_term(r, adv, clip_low, clip_high, delta):
+    """``loss_torch._clip_term``: the clip family's ``-min(r1 A, r2 A)``, ``r1 = min(r, delta)``, ``r2 = clamp(r,
+    clip_low, clip_high)``, with autograd's tie rule (half the gradient to each side) and clamp's (it passes at the
+    bounds)."""
+    r2 = tl.minimum(tl.maximum(r, clip_low), clip_high)
+    dr2 = ((r >= clip_low) & (r <= clip_high)).to(r.dtype)
+    r1 = tl.where(r > delta, delta, r)  # min(r, delta); delta = +inf leaves r (NaN included) unchanged
+    dr1 = (r <= delta).to(r.dtype)
+    a = r1 * adv
+    b = r2 * adv
+    take_a = tl.where(a < b, 1.0, tl.where(a == b, 0.5, 0.0)).to(r.dtype)
+    policy = -tl.minimum(a, b)
+    dp_dr = -(take_a * adv * dr1 + (1.0 - take_a) * adv * dr2)
+    return policy, dp_dr, tl.zeros(r.shape, r.dtype)
+
+
+@triton.jit
+def _cispo_term(r, adv, logp, eps_high):
+    """``loss_torch._cispo_term``: ``-min(r, eps_high).detach() * A * logp`` (the capped ratio is a constant)."""
+    c = tl.minimum(r, eps_high)
+    return -c * adv * logp, tl.zeros(r.shape, r.dtype), -c * adv
+
+
+@triton.jit
+def _sapo_term(r, adv, tau_pos, tau_neg):
+    """``loss_torch._sapo_term``: ``-sigmoid(tau (r - 1)) * 4 / tau * A``, tau by the sign of A."""
+    tau = tl.where(adv > 0, tau_pos, tau_neg)
+    sig = 1.0 / (1.0 + tl.exp(-tau * (r - 1.0)))
+    return -sig * 4.0 / tau * adv, -4.0 * adv * sig * (1.0 - sig), tl.zeros(r.shape, r.dtype)
+
+
+@triton.jit
+def _vespo_term(adv, logp, log_w, k_pos, lam_pos, k_neg, lam_neg):
+    """``loss_torch._vespo_term``: ``-phi(w) * A * logp`` with ``phi`` detached (TRL's ``get_gamma_weights``) from the
+    sequence's clamped log-weight ``log_w`` (pass 1, ``loss_torch._vespo_log_weight``); NaN and +-inf weights are 0.
+    The lambdas come clamped at 1e-4 (the launcher)."""
+    nonneg = adv >= 0
+    k = tl.where(nonneg, k_pos, k_neg)
+    lam = tl.where(nonneg, lam_pos, lam_neg)
+    phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
+    phi = tl.where(phi == phi, phi, 0.0)  # NaN -> 0
+    phi = tl.where(tl.abs(phi) < float("inf"), phi, 0.0)
+    return -phi * adv * logp, tl.zeros(adv.shape, adv.dtype), -phi * adv
+
+
+@triton.jit
+def _kl_term(diff, r, beta, bias_kl, loss, dl_dr, dl_dlogp):
+    """``loss_torch._kl_term``: adds ``beta`` x the k3 KL (``diff = ref - logp``), times r with the bias correction, to
+    the token's loss and its partials; returns the KL and the three sums."""
+    e = tl.exp(diff)
+    kl0 = e - diff - 1.0
+    dkl0 = 1.0 - e
+    if bias_kl != 0:
+        kl = kl0 * r
+        dl_dr += beta * kl0
+        dl_dlogp += beta * dkl0 * r
+    else:
+        kl = kl0
+        dl_dlogp += beta * dkl0
+    return kl, loss + beta * kl, dl_dr, dl_dlogp
+
+
+@triton.jit
+def _clip_flags(r, adv, clip_low, clip_high, delta):
+    """``loss_torch._clip_flags``: the low / high clip-metric flags; TRL counts clipping on the delta-clamped ratio."""
+    r_seen = tl.where(r > delta, delta, r)
+    return (r_seen < clip_low) & (adv < 0), (r_seen > clip_high) & (adv > 0)
+
+
+@triton.jit
+def _cispo_flag(r, adv, eps_high):
+    """``loss_torch._cispo_flag``: the ratio is capped (cispo's high clip-metric flag)."""
+    return (r > eps_high) & (adv > 0)
+
+
 @triton.jit(do_not_specialize=["B", "loss_type", "seq_level", "norm_global", "has_old", "has_kl", "bias_kl",
                                "adv_per_token", "has_ratio", "ratio_per_token", "has_ent_mask"])
 def _grpo_loss_kernel(
@@ -115,7 +193,7 @@ def _grpo_loss_kernel(
     seq = seq_level != 0
     vespo = loss_type == VESPO
 
-    # pass 1: token count, sum of log-ratios (sequence level), VESPO's clamped sums
+    # pass 1: token count, sum of log-ratios (sequence level), VESPO's clamped sums (loss_torch._vespo_log_weight)
     n_tok = tl.zeros((BLOCK_T,), dtype)
     lr_sum = tl.zeros((BLOCK_T,), dtype)
     vespo_sum = tl.zeros((BLOCK_T,), dtype)
@@ -148,7 +226,7 @@ def _grpo_loss_kernel(
         scale = 1.0 / (length_c * B)
     r_seq = tl.exp(tl.sum(lr_sum, 0) / length_c)
 
-    # pass 2: per-token terms
+    # pass 2: per-token terms (loss_torch.grpo_loss_terms, step for step)
     loss_acc = tl.zeros((BLOCK_T,), dtype)
     kl_acc = tl.zeros((BLOCK_T,), dtype)
     low_acc = tl.zeros((BLOCK_T,), dtype)
@@ -172,46 +250,19 @@ def _grpo_loss_kernel(
         else:
             r = tl.exp(tl.where(m, logp - old, 0.0))
 
-        if loss_type == CLIP:  # clip family: -min(r1 A, r2 A), autograd's tie rule (half to each side)
-            r2 = tl.minimum(tl.maximum(r, clip_low), clip_high)
-            dr2 = ((r >= clip_low) & (r <= clip_high)).to(dtype)
-            r1 = tl.where(r > delta, delta, r)  # min(r, delta); delta = +inf leaves r (NaN included) unchanged
-            dr1 = (r <= delta).to(dtype)
-            a = r1 * adv
-            b = r2 * adv
-            take_a = tl.where(a < b, 1.0, tl.where(a == b, 0.5, 0.0)).to(dtype)
-            policy = -tl.minimum(a, b)
-            dp_dr = -(take_a * adv * dr1 + (1.0 - take_a) * adv * dr2)
-            dp_dlogp = zero
-            is_low = (r1 < clip_low) & (adv < 0)  # TRL counts clipping on the delta-clamped ratio
-            is_high = (r1 > clip_high) & (adv > 0)
-        elif loss_type == CISPO:  # cispo: -min(r, eps_high).detach() * A * logp
-            c = tl.minimum(r, eps_high)
-            policy = -c * adv * logp
-            dp_dr = zero
-            dp_dlogp = -c * adv
-            is_low = zero != zero
-            is_high = (r > eps_high) & (adv > 0)
-        elif loss_type == SAPO:  # sapo: -sigmoid(tau (r - 1)) * 4 / tau * A
-            tau = tl.where(adv > 0, tau_pos, tau_neg)
-            sig = 1.0 / (1.0 + tl.exp(-tau * (r - 1.0)))
-            policy = -sig * 4.0 / tau * adv
-            dp_dr = -4.0 * adv * sig * (1.0 - sig)
-            dp_dlogp = zero
-            is_low = zero != zero
-            is_high = is_low
-        else:  # vespo: -phi(w) * A * logp, phi detached
-            nonneg = adv >= 0
-            k = tl.where(nonneg, k_pos, k_neg)
-            lam = tl.where(nonneg, lam_pos, lam_neg)  # clamped at 1e-4 by the launcher
-            phi = tl.exp(lam + k * log_w - lam * tl.exp(log_w))
-            phi = tl.where(phi == phi, phi, 0.0)  # NaN -> 0
-            phi = tl.where(tl.abs(phi) < float("inf"), phi, 0.0)
-            policy = -phi * adv * logp
-            dp_dr = zero
-            dp_dlogp = -phi * adv
-            is_low = zero != zero
-            is_high = is_low
+        no_flag = zero != zero
+        if loss_type == CLIP:
+            policy, dp_dr, dp_dlogp = _clip_term(r, adv, clip_low, clip_high, delta)
+            is_low, is_high = _clip_flags(r, adv, clip_low, clip_high, delta)
+        elif loss_type == CISPO:
+            policy, dp_dr, dp_dlogp = _cispo_term(r, adv, logp, eps_high)
+            is_low, is_high = no_flag, _cispo_flag(r, adv, eps_high)
+        elif loss_type == SAPO:
+            policy, dp_dr, dp_dlogp = _sapo_term(r, adv, tau_pos, tau_neg)
+            is_low, is_high = no_flag, no_flag
+        else:
+            policy, dp_dr, dp_dlogp = _vespo_term(adv, logp, log_w, k_pos, lam_pos, k_neg, lam_neg)
+            is_low, is_high = no_flag, no_flag
 
         mult = zero + 1.0  # entropy mask x sampling ratio scale the policy term only
         if has_ent_mask != 0:
@@ -228,18 +279,8 @@ def _grpo_loss_kernel(
         dl_dlogp = mult * dp_dlogp
         if has_kl != 0:
             ref = tl.load(ref_ptr + base + offs, mask=inb, other=0.0)
-            diff = tl.where(m, ref - logp, 0.0)
-            e = tl.exp(diff)
-            kl0 = e - diff - 1.0
-            dkl0 = 1.0 - e
-            if bias_kl != 0:
-                kl = kl0 * r
-                dl_dr += beta * kl0
-                dl_dlogp += beta * dkl0 * r
-            else:
-                kl = kl0
-                dl_dlogp += beta * dkl0
-            loss_t += beta * kl
+            kl, loss_t, dl_dr, dl_dlogp = _kl_term(tl.where(m, ref - logp, 0.0), r, beta, bias_kl, loss_t, dl_dr,
+                                                   dl_dlogp)
             kl_acc += tl.where(m, kl, 0.0)
 
         loss_acc += tl.where(m, scale * loss_t, 0.0)
@@ -270,12 +311,12 @@ def _grpo_loss_kernel(
         # one flag per sequence (TRL logs the mean over sequences, all-masked ones included)
         adv_row = tl.load(adv_ptr + row)
         if loss_type == CLIP:
-            r_seen = tl.where(r_seq > delta, delta, r_seq)
-            low_sum = ((r_seen < clip_low) & (adv_row < 0)).to(dtype)
-            high_sum = ((r_seen > clip_high) & (adv_row > 0)).to(dtype)
+            low_flag, high_flag = _clip_flags(r_seq, adv_row, clip_low, clip_high, delta)
+            low_sum = low_flag.to(dtype)
+            high_sum = high_flag.to(dtype)
         elif loss_type == CISPO:
             low_sum = (adv_row != adv_row).to(dtype)
-            high_sum = ((r_seq > eps_high) & (adv_row > 0)).to(dtype)
+            high_sum = _cispo_flag(r_seq, adv_row, eps_high).to(dtype)
         region_sum = tl.maximum(low_sum, high_sum)
     out = row_out_ptr + row * ROW_COLS
     tl.store(out + ROW_LOSS, tl.sum(loss_acc, 0))
