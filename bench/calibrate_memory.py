@@ -22,10 +22,11 @@ import torch
 from bench import harness
 from bench.memtrack import StorageTracker
 from bench.models import MODELS, ModelShape, get_model
+from grpo_fast.dtypes import DTYPES
+from grpo_fast.memory.fit import CALIBRATION_DTYPES
 from grpo_fast.memory.projection import (METHODS, MODES, Bytes, DecoderBytes, StepBytes, Training,
                                          fused_tile_bytes)
 
-CALIBRATION_DTYPES = ("float32", "bfloat16")
 LENGTHS = (16, 32, 64)  # one row of S tokens per decoder measurement
 LORA_R = 16  # the rank LoRA is measured at; projection.py scales the [S, r] terms to other ranks
 GEMMA2_WINDOW = 4096
@@ -152,7 +153,6 @@ def measure_step(method: str, dtype: str, training: Training = Training(),
     """One tracked step of ``method`` on a small Qwen2 (vocabulary wider than the fused op's 4096-column chunks, so
     only real logits count as logits)."""
     from bench.bench_memory import Shape, setup_config, tracked_step
-    from grpo_fast.dtypes import DTYPES
 
     spec = Shape(**shape)
     name = "ppo" if METHODS[method]["ppo"] else ("grpo_fused" if METHODS[method]["fused"] else "grpo_reference")
@@ -178,7 +178,7 @@ def measure_fused(dtype: str, train_head: bool = True, rows: int = 4, tokens: in
     its backward (``backward``); ``train_head`` False: the lm_head is frozen (LoRA), no weight gradient."""
     from grpo_fast import GRPOLossConfig, fused_logprobs, grpo_loss
 
-    dt = getattr(torch, dtype)
+    dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(rows, tokens, hidden, generator=gen).to(dt).requires_grad_(True)
     w = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(dt).requires_grad_(train_head)
@@ -221,7 +221,7 @@ def calibrate(models=tuple(MODELS), dtypes=CALIBRATION_DTYPES, modes=MODES, log=
                 log(f"  step {dtype} {mode} {method}: {steps[method]}")
             decoders = result["decoder"][dtype][mode] = {}
             for name in models:
-                coeffs = measure_decoder(hf_config(get_model(name), 2, vocab=512), getattr(torch, dtype), training)
+                coeffs = measure_decoder(hf_config(get_model(name), 2, vocab=512), DTYPES[dtype], training)
                 decoders[name] = asdict(coeffs)
                 log(f"  decoder {dtype} {mode} {name}: {decoders[name]}")
     return result

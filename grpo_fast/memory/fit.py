@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from grpo_fast.dtypes import DTYPES
 from grpo_fast.memory.models import MODELS, get_model
 from grpo_fast.memory.projection import (DEFAULT_OPTIM, MAX_COMPLETION, Step, Training, calibration_path,
                                          coefficients, largest_completion, load_calibration, optimizers, peak,
@@ -69,7 +70,7 @@ def fit_table(model: str, memory: int, *, prompts: int = 1, prompt_len: int = 51
     calibration = calibration or load_calibration()
     shape = get_model(model)
     budget = memory * (1.0 - headroom)
-    compute_bytes = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    compute_bytes = torch.empty((), dtype=DTYPES[dtype]).element_size()
     table = {}
     for method in training.methods():
         decoder, logits = coefficients(calibration, shape.name, method, dtype, training)
@@ -86,7 +87,7 @@ def cell(T: int) -> str:
 def need_at_one_token(calibration: dict, model: str, method: str, group_size: int, args, training: Training) -> float:
     """The projected peak of the shortest step (T = 1): what a cell that does not fit would need."""
     decoder, logits = coefficients(calibration, model, method, args.dtype, training)
-    compute_bytes = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    compute_bytes = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     phases = project(method, get_model(model), Step(args.prompts, group_size, args.prompt_len, 1), decoder, logits,
                      compute_bytes=compute_bytes, device=args.device, training=training,
                      calibrated_lora_r=calibration["lora_r"])
