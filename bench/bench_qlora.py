@@ -468,7 +468,7 @@ def main(argv=None) -> int:
         raise ValueError(f"--reps: expected an integer >= 1, got {args.reps}")
     common = dict(model=f"Qwen2 L={shape.layers} H={shape.hidden} I={shape.intermediate} heads={shape.heads}/"
                         f"{shape.kv_heads} V={shape.vocab} tied", **asdict(shape), dtype="float32",
-                  lora_alpha=LORA_ALPHA, bitsandbytes=harness._version("bitsandbytes"), peft=harness._version("peft"))
+                  lora_alpha=LORA_ALPHA, bitsandbytes=harness.version("bitsandbytes"), peft=harness.version("peft"))
     print(f"QLoRA bench on {harness.device_name('cpu')}: {common['model']}, B={shape.prompts} G={shape.group_size} "
           f"P={shape.prompt_len} T={shape.completion_len}, {args.threads} thread(s)", flush=True)
     out = harness.CsvRows(csv_path)

@@ -237,8 +237,8 @@ def _child_main(argv: list[str]) -> None:
 # Environment, CSV, tables
 
 
-def _version(dist: str) -> str:
-    return dist_version(dist) or ""
+def version(dist: str) -> str:
+    return distversion(dist) or ""
 
 
 def git_commit() -> str:
@@ -279,10 +279,10 @@ def env_fields(device) -> dict:
         "device": device_name(device),
         "num_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "triton": _version("triton"),
-        "transformers": _version("transformers"),
-        "liger_kernel": _version("liger-kernel"),
-        "grpo_fast": _version("grpo-fast"),
+        "triton": version("triton"),
+        "transformers": version("transformers"),
+        "liger_kernel": version("liger-kernel"),
+        "grpo_fast": version("grpo-fast"),
         "commit": git_commit(),
         "src_sha": source_hash(),
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -196,7 +196,8 @@ def _tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, par
     """``dz [R, C]`` (``acc_dtype``): d loss / d raw logits of rows ``h_r [R, H]`` against the vocab chunk
     ``[c0, c1)``.
 
-    ``dz = g (onehot - p) - ge p (log p + H)``, divided by the temperature and times ``1 - tanh^2`` under softcap.
+    ``dz = g (onehot - p) - ge p (log p + e)`` (e the entropy), divided by the temperature and times
+    ``1 - tanh^2`` under softcap.
     m_r, logs_r, ent_r: ``[R, 1]``; g_r, ge_r: ``[R]`` or None.
     """
     z, u = _tile(h_r, w_c, bias_c, params, acc_dtype, True)

@@ -4,7 +4,8 @@
 ``grpo_fast::logprobs_fwd`` / ``logprobs_bwd``: the chunked log-prob forward and backward (``impl`` "torch" or
 "triton"); each unpacks its arguments once into a ``LogprobParams`` and calls the backend's ``forward`` /
 ``backward`` (the contract both backends implement: ``grpo_fast.logprobs_torch``). ``grpo_fast::loss_terms``: the
-GRPO loss, ``d loss / d logp``, ``d loss / d entropy`` and the metrics (NaN where undefined) in one call. Absent optional outputs are empty tensors (custom ops return tensors only).
+GRPO loss, ``d loss / d logp``, ``d loss / d entropy`` and the metrics (NaN where undefined) in one call.
+Absent optional outputs are empty tensors (custom ops return tensors only).
 
 CUDA graphs. ``logprobs_bwd`` finds the rows with a non-zero upstream gradient (``nonzero``, a host sync): it is
 tagged ``torch.Tag.cudagraph_unsafe`` (torch >= 2.9), so ``torch.compile(mode="reduce-overhead")`` does not capture

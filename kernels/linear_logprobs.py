@@ -12,7 +12,7 @@ its own statistics; ``_stats_finalize`` merges the ``S`` partial statistics in a
 
 Backward (``backward``). Vocabulary chunks outer, over the active rows only (rows whose upstream
 gradients are not both exactly zero; gathered once): per chunk one GEMM recomputes the raw logits of all active rows,
-``_chunk_dlogits`` turns them in place into ``dz = (g (onehot - p) - ge p (log p + H)) / temperature (1 - tanh^2)``
+``_chunk_dlogits`` turns them in place into ``dz = (g (onehot - p) - ge p (log p + e)) / temperature (1 - tanh^2)``
 in the input dtype, then ``dW[c0:c0+C] = dz^T @ h`` is one GEMM with K = the active rows (written once: no fp32
 ``V x H`` buffer, no atomics, deterministic) and ``dh += dz @ W[c0:c0+C]`` is one GEMM accumulating into an fp32
 ``[rows, H]`` matrix (``out_dtype``: fp32 accumulation inside cuBLAS, no rounded product, no second pass); ``db`` is a

@@ -113,7 +113,7 @@ def test_the_accumulator_is_a_temporary_up_to_half_the_budget():
         assert walk.acc[0].home is home
 
 
-def test_the_issue_shape_layout():
+def test_the_target_shape_layout():
     """N = 16384, H = 4096, V = 151936, bf16, 64 MiB (the module docstring's example): half the accumulator in
     grad_hidden, half in grad_weight's last 16384 rows, recomputed in 8 chunks; 14 chunks in grad_weight's rows."""
     walk = lay.backward_layout(16384, 16384, 4096, 151936, 2, 64 * MIB, gathered=False, need_hidden=True,
@@ -158,7 +158,7 @@ def test_stripe_walk_invariants(seed):
     assert walk.move_piece == (max(1, budget // (4 * h)) if gathered else 0)
 
 
-def test_frozen_head_stripes_at_the_issue_shape():
+def test_frozen_head_stripes_at_the_target_shape():
     """bf16, every row active, 64 MiB: stripes of N/2 and N/4 rows in grad_hidden's free bytes, then two whose
     accumulators (32 MiB, half the budget) are temporaries at the end of the one 64 MiB buffer."""
     walk = lay.backward_layout(16384, 16384, 4096, 151936, 2, 64 * MIB, gathered=False, need_hidden=True,
@@ -232,19 +232,19 @@ def _summary(plan):
 
 BF16, FP32 = torch.bfloat16, torch.float32
 CASES = {
-    "issue bf16": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="ghw"),
-    "issue bf16 entropy": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=True, need="gehw"),
-    "issue fp32": dict(n=16384, h=4096, v=151936, dtype=FP32, budget=64 * MIB, entropy=False, need="ghw"),
-    "issue bf16 4 MiB": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=4 * MIB, entropy=False, need="ghw"),
-    "issue frozen head": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="gh"),
-    "issue d weight only": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="gw"),
-    "issue gathered": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="ghw",
+    "target bf16": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="ghw"),
+    "target bf16 entropy": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=True, need="gehw"),
+    "target fp32": dict(n=16384, h=4096, v=151936, dtype=FP32, budget=64 * MIB, entropy=False, need="ghw"),
+    "target bf16 4 MiB": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=4 * MIB, entropy=False, need="ghw"),
+    "target frozen head": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="gh"),
+    "target d weight only": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="gw"),
+    "target gathered": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="ghw",
                            rows=12288),
-    "issue gathered frozen head": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False,
+    "target gathered frozen head": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False,
                                        need="gh", rows=3276),
-    "issue gathered d weight only": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False,
+    "target gathered d weight only": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False,
                                          need="gw", rows=12288),
-    "issue no active row": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="ghw",
+    "target no active row": dict(n=16384, h=4096, v=151936, dtype=BF16, budget=64 * MIB, entropy=False, need="ghw",
                                 rows=0),
     "more rows than vocabulary": dict(n=16384, h=4096, v=8192, dtype=BF16, budget=64 * MIB, entropy=False, need="ghw"),
     "61x48x1151 bf16 12 KiB gathered": dict(n=61, h=48, v=1151, dtype=BF16, budget=12288, entropy=True, need="gehwb",
@@ -262,34 +262,34 @@ CASES = {
 # (case, (forward: launches, FLOPs, bytes, peak temporaries, digest of every Step), (backward: the same)): the plans
 # of the launchers as they were when the traffic moved next to the kernels and the layouts into logprob_layout
 PINNED = [
-    ("issue bf16",
+    ("target bf16",
      (161, 20392504721408, 21986803712, 63176704, "721a223b9c3e2dc5"),
      (125, 63376537419776, 49744904192, 67108864, "4193dae825a18fcb")),
-    ("issue bf16 entropy",
+    ("target bf16 entropy",
      (161, 20392504721408, 22007840768, 63307776, "3d6617164fa98aaa"),
      (125, 63376537419776, 49748443136, 67108864, "b972ebe685f15ea2")),
-    ("issue fp32",
+    ("target fp32",
      (341, 20392504721408, 68138434560, 58982400, "96bad71577cf68dc"),
      (89, 61177514164224, 81152311296, 67108864, "04f7f46d098aa600")),
-    ("issue bf16 4 MiB",
+    ("target bf16 4 MiB",
      (2375, 20392504721408, 171218763776, 4456448, "0a556301a7ee2fcf"),
      (615, 63376537419776, 93275357184, 4194304, "44771eb3e1ae1268")),
-    ("issue frozen head",
+    ("target frozen head",
      (161, 20392504721408, 21986803712, 63176704, "721a223b9c3e2dc5"),
      (295, 40785009442816, 49879613440, 67108864, "86f6ee8a857ec22b")),
-    ("issue d weight only",
+    ("target d weight only",
      (161, 20392504721408, 21986803712, 63176704, "721a223b9c3e2dc5"),
      (57, 40785009442816, 27510374400, 67108864, "02581a3e72718317")),
-    ("issue gathered",
+    ("target gathered",
      (161, 20392504721408, 21986803712, 63176704, "721a223b9c3e2dc5"),
      (136, 49319109459968, 40333639680, 66306048, "72c8bc9dd5fb3de5")),
-    ("issue gathered frozen head",
+    ("target gathered frozen head",
      (161, 20392504721408, 21986803712, 63176704, "721a223b9c3e2dc5"),
      (59, 8155010433024, 9156300496, 66319344, "d81f3f093c5e0838")),
-    ("issue gathered d weight only",
+    ("target gathered d weight only",
      (161, 20392504721408, 21986803712, 63176704, "721a223b9c3e2dc5"),
      (57, 40785009442816, 27510374400, 67108864, "02581a3e72718317")),
-    ("issue no active row",
+    ("target no active row",
      (161, 20392504721408, 21986803712, 63176704, "721a223b9c3e2dc5"),
      (2, 0, 1378877440, 0, "701135aa27913cd8")),
     ("more rows than vocabulary",
@@ -316,7 +316,7 @@ PINNED = [
 @pytest.mark.parametrize("case, forward, backward", PINNED, ids=[c for c, _, _ in PINNED])
 def test_the_plans_are_pinned(case, forward, backward):
     """Every Step of these plans (kind, name, shape, FLOPs, bytes read and written) and the peak temporaries are
-    what they were: the issue shape (bf16 and fp32, entropy, the frozen head, gathered rows, the over-budget
+    what they were: the target shape (bf16 and fp32, entropy, the frozen head, gathered rows, the over-budget
     exception) and small shapes at tight budgets that reach every layout."""
     fwd, bwd = _plans(**CASES[case])
     assert (_summary(fwd), _summary(bwd)) == (forward, backward)
