@@ -238,7 +238,7 @@ def _child_main(argv: list[str]) -> None:
 
 
 def version(dist: str) -> str:
-    return distversion(dist) or ""
+    return dist_version(dist) or ""
 
 
 def git_commit() -> str:
