@@ -41,9 +41,9 @@ from bench import harness
 from grpo_fast.dtypes import SHORT_DTYPES as DTYPES  # the short names: bf16, fp16, fp32
 from grpo_fast.kernels.launch import Target, capture
 from grpo_fast.kernels import linear_logprobs
-from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB
+from grpo_fast.kernels.logprob_layout import DEFAULT_SCRATCH_MIB
 from grpo_fast.kernels.plan import Plan, Step
-from grpo_fast.logprobs_torch import LogprobParams, SavedStats
+from grpo_fast.logprob_contract import BackwardInputs, LogprobParams, SavedStats
 
 # ------------------------------------------------------------------------------------------------ the fixed rules
 # Fixed in advance. GEMM_EFFICIENCY and TRITON_EFFICIENCY may only be replaced by a figure measured on a GPU by
@@ -148,8 +148,8 @@ def build_plans(n: int, h: int, v: int, *, dtype: str = "bf16", device: str = "h
     with capture(profile.target, sms=profile.sms):
         params = LogprobParams(return_entropy=entropy, budget=budget)
         _, ent, m, log_s = linear_logprobs.forward(hidden, weight, target_ids, None, params, plan=forward)
-        linear_logprobs.backward(hidden, weight, target_ids, None, SavedStats(m, log_s, ent), g, ge, params,
-                                 need_hidden, need_weight, False, rows=None, plan=backward)
+        grads = BackwardInputs(SavedStats(m, log_s, ent), g, ge, need_hidden=need_hidden, need_weight=need_weight)
+        linear_logprobs.backward(hidden, weight, target_ids, None, params, grads, every_row=True, plan=backward)
     return forward, backward
 
 

@@ -143,7 +143,7 @@ def _logprob_launches():
     every row active and with the active rows gathered (``rows`` from ``active_rows``, as the custom op passes).
     Only the Triton launches are compiled: the GEMMs go to cuBLAS (``_plan`` checks their shapes)."""
     from grpo_fast.kernels.linear_logprobs import backward, forward
-    from grpo_fast.logprobs_torch import LogprobParams, SavedStats
+    from grpo_fast.logprob_contract import BackwardInputs, LogprobParams, SavedStats
 
     f32 = torch.float32
     for dtype, (layout, h, v, off, budget) in itertools.product((torch.float32, torch.bfloat16, torch.float16),
@@ -170,10 +170,11 @@ def _logprob_launches():
                 backward(
                     _meta((n, h), dtype), _meta((v, h), dtype), _vector(n, torch.int64, off),
                     _vector(v, dtype, off) if bias else None,
-                    SavedStats(_vector(n, f32), _vector(n, f32), _vector(n, f32) if has_ge else None),
-                    _vector(n, f32) if has_g else None, _vector(n, f32) if has_ge else None,
                     LogprobParams(0.7, 30.0 if softcap else None, has_ge, budget=budget),
-                    True, need_weight, bias, rows=_vector(n - n // 4, torch.int64) if gathered else None,
+                    BackwardInputs(SavedStats(_vector(n, f32), _vector(n, f32), _vector(n, f32) if has_ge else None),
+                                   _vector(n, f32) if has_g else None, _vector(n, f32) if has_ge else None,
+                                   need_weight=need_weight, need_bias=bias),
+                    rows=_vector(n - n // 4, torch.int64) if gathered else None, every_row=not gathered,
                     plan=_plan())
             yield (f"backward {tag} N={n} bias={bias} softcap={softcap} grads={grads} need_weight={need_weight}"
                    f"{' active rows gathered' if gathered else ''}", dtype, not off, bwd)
@@ -223,7 +224,7 @@ def _config_launches():
     forward and backward with entropy and both upstream gradients, at a small and a large N (so the forward runs
     with and without a column split) under each distinct configuration."""
     from grpo_fast.kernels import linear_logprobs as ll
-    from grpo_fast.logprobs_torch import LogprobParams, SavedStats
+    from grpo_fast.logprob_contract import BackwardInputs, LogprobParams, SavedStats
 
     f32 = torch.float32
     for cfg in sorted(set(ll.CONFIGS.values()), key=repr):
@@ -235,9 +236,10 @@ def _config_launches():
                     hidden, weight = _meta((n, 4096), torch.bfloat16), _meta((151936, 4096), torch.bfloat16)
                     params = LogprobParams(return_entropy=True)
                     ll.forward(hidden, weight, _vector(n, torch.int64), None, params, plan=_plan())
-                    ll.backward(hidden, weight, _vector(n, torch.int64), None,
-                                SavedStats(_vector(n, f32), _vector(n, f32), _vector(n, f32)), _vector(n, f32),
-                                _vector(n, f32), params, True, True, False, rows=None, plan=_plan())
+                    grads = BackwardInputs(SavedStats(_vector(n, f32), _vector(n, f32), _vector(n, f32)),
+                                           _vector(n, f32), _vector(n, f32))
+                    ll.backward(hidden, weight, _vector(n, torch.int64), None, params, grads, every_row=True,
+                                plan=_plan())
             finally:
                 ll.CONFIGS.clear()
                 ll.CONFIGS.update(table)

@@ -6,7 +6,7 @@ import torch
 
 from grpo_fast import checks
 from grpo_fast.dispatch import resolve_impl
-from grpo_fast.logprobs_torch import LogprobParams
+from grpo_fast.logprob_contract import LogprobParams
 from grpo_fast.ops import logprobs_op
 from grpo_fast.reference import logprobs_reference
 

@@ -17,11 +17,8 @@ offset by 1e4 lose nothing; ``m`` and ``log s`` are saved apart (not as one ``ls
 tile, forms ``dz`` and multiplies it into ``dh = dz @ W``, ``dW = dz^T @ h`` and ``db = sum dz``, walking vocab chunks
 (outer) and token blocks (inner) so each ``dW`` chunk is accumulated over all tokens and written once.
 
-The contract of both backends. This module and ``grpo_fast.kernels.linear_logprobs`` (the GPU path) each implement
-``forward(hidden, weight, target_ids, bias, params) -> (logp, entropy or None, m, log_s)`` and ``backward(hidden,
-weight, target_ids, bias, saved, g, ge, params, need_hidden, need_weight, need_bias) -> (d hidden, d weight, d bias)``
-(None where not needed) and ``stats_dtype(dtype)``, the dtype of the ``[N]`` outputs. ``params``: the options, one
-``LogprobParams``; ``saved``: the forward's statistics, one ``SavedStats``. ``grpo_fast.ops`` calls whichever
+The contract. ``forward`` / ``backward`` / ``stats_dtype`` here and in ``grpo_fast.kernels.linear_logprobs`` (the GPU
+path) have the same signatures and meaning (``grpo_fast.logprob_contract``); ``grpo_fast.ops`` calls whichever
 ``impl`` names.
 
 Memory. Saved for backward: the inputs (no copies) and three ``[N]`` vectors (max, log-sum, entropy). Temporaries:
@@ -41,42 +38,11 @@ vocabulary chunks and two memory-bound kernels).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from grpo_fast.kernels.logprob_layout import scratch_bytes, torch_chunks
-
-
-@dataclass(frozen=True)
-class LogprobParams:
-    """The options of a log-prob forward and backward, on either backend (the contract in the module docstring).
-
-    temperature, softcap: the logits' shaping; return_entropy: the forward also returns the entropy (the backward:
-    the forward did). vocab_chunk, token_chunk: the torch path's tile (None: from the budget; the GPU path sizes its
-    chunks from the budget alone). budget: the temporaries budget in bytes (None: ``scratch_bytes()``, read when
-    the op runs)."""
-
-    temperature: float = 1.0
-    softcap: float | None = None
-    return_entropy: bool = False
-    vocab_chunk: int | None = None
-    token_chunk: int | None = None
-    budget: int | None = None
-
-    def budget_bytes(self) -> int:
-        return scratch_bytes() if self.budget is None else self.budget
-
-
-@dataclass(frozen=True)
-class SavedStats:
-    """What a log-prob forward saves per row for its backward: ``m`` and ``log_s`` (``lse = m + log_s``) and the
-    entropy (None when the forward did not return it), each ``[N]`` in ``stats_dtype``."""
-
-    m: Tensor
-    log_s: Tensor
-    entropy: Tensor | None = None
+from grpo_fast.kernels.logprob_layout import torch_chunks
+from grpo_fast.logprob_contract import BackwardInputs, LogprobParams
 
 
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -221,12 +187,13 @@ def _tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, par
     return dz
 
 
-def backward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, saved: SavedStats,
-             g: Tensor | None, ge: Tensor | None, params: LogprobParams, need_hidden: bool, need_weight: bool,
-             need_bias: bool):
-    """``(d hidden, d weight, d bias)`` of ``sum(g * logp + ge * entropy)`` (None where not needed); g, ge: ``[N]`` or
-    None. Rows whose g and ge are both zero cost nothing."""
-    m_all, logs_all, ent = saved.m, saved.log_s, saved.entropy
+def backward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: LogprobParams,
+             grads: BackwardInputs):
+    """``(d hidden, d weight, d bias)`` of ``sum(g * logp + ge * entropy)``, those ``grads`` asks for (None for the
+    others). Rows whose g and ge are both zero cost nothing."""
+    m_all, logs_all, ent = grads.saved.m, grads.saved.log_s, grads.saved.entropy
+    g, ge = grads.g, grads.ge
+    need_hidden, need_weight, need_bias = grads.need_hidden, grads.need_weight, grads.need_bias
     n, h = hidden.shape
     v = weight.shape[0]
     dtype = hidden.dtype

@@ -2,8 +2,8 @@
 ``torch.compile(fullgraph=True)`` traces ``fused_logprobs`` / ``grpo_loss`` as single opaque nodes on either path.
 
 ``grpo_fast::logprobs_fwd`` / ``logprobs_bwd``: the chunked log-prob forward and backward (``impl`` "torch" or
-"triton"); each unpacks its arguments once into a ``LogprobParams`` and calls the backend's ``forward`` /
-``backward`` (the contract both backends implement: ``grpo_fast.logprobs_torch``). ``grpo_fast::loss_terms``: the
+"triton"); the options cross them as one ``LogprobParams`` in JSON, and each calls the backend's ``forward`` /
+``backward`` (the contract both backends implement: ``grpo_fast.logprob_contract``). ``grpo_fast::loss_terms``: the
 GRPO loss, ``d loss / d logp``, ``d loss / d entropy`` and the metrics (NaN where undefined) in one call.
 Absent optional outputs are empty tensors (custom ops return tensors only).
 
@@ -27,7 +27,7 @@ from torch import Tensor
 
 from grpo_fast import logprobs_torch
 from grpo_fast.config import GRPOLossConfig
-from grpo_fast.logprobs_torch import LogprobParams, SavedStats
+from grpo_fast.logprob_contract import BackwardInputs, LogprobParams, SavedStats
 
 _EMPTY = (0,)
 # torch >= 2.9 has the tag (Inductor then keeps the op out of captured CUDA graphs); older torch has no such notion
@@ -55,56 +55,53 @@ def logprob_backend(impl: str):
 # ---------------------------------------------------------------------------------------------------- log-probs
 @torch.library.custom_op("grpo_fast::logprobs_fwd", mutates_args=())
 def logprobs_fwd(
-    hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, temperature: float,
-    softcap: float | None, return_entropy: bool, impl: str, vocab_chunk: int | None = None,
-    token_chunk: int | None = None,
+    hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: str, impl: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """hidden ``[N, H]`` -> (logps ``[N]``, entropy ``[N]`` or empty, m ``[N]``, log_s ``[N]``)."""
-    params = LogprobParams(temperature, softcap, return_entropy, vocab_chunk, token_chunk)
-    logps, ent, m, log_s = logprob_backend(impl).forward(hidden, weight, target_ids, bias, params)
+    """hidden ``[N, H]`` -> (logps ``[N]``, entropy ``[N]`` or empty, m ``[N]``, log_s ``[N]``); ``params``: a
+    ``LogprobParams.to_json()``."""
+    options = LogprobParams.from_json(params)
+    logps, ent, m, log_s = logprob_backend(impl).forward(hidden, weight, target_ids, bias, options)
     return logps, (ent if ent is not None else logps.new_empty(_EMPTY)), m, log_s
 
 
 @logprobs_fwd.register_fake
-def _(hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl, vocab_chunk=None, token_chunk=None):
+def _(hidden, weight, target_ids, bias, params, impl):
     n = hidden.shape[0]
     acc = logprob_backend(impl).stats_dtype(hidden.dtype)
     out = hidden.new_empty((n,), dtype=acc)
-    ent = hidden.new_empty((n,) if return_entropy else _EMPTY, dtype=acc)
+    ent = hidden.new_empty((n,) if LogprobParams.from_json(params).return_entropy else _EMPTY, dtype=acc)
     return out, ent, hidden.new_empty((n,), dtype=acc), hidden.new_empty((n,), dtype=acc)
 
 
 @torch.library.custom_op("grpo_fast::logprobs_bwd", mutates_args=(), tags=_CUDAGRAPH_UNSAFE)
 def logprobs_bwd(
     hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, m: Tensor, log_s: Tensor,
-    entropy: Tensor | None, g: Tensor | None, ge: Tensor | None, temperature: float, softcap: float | None,
-    need_hidden: bool, need_weight: bool, need_bias: bool, impl: str, vocab_chunk: int | None = None,
-    token_chunk: int | None = None,
+    entropy: Tensor | None, g: Tensor | None, ge: Tensor | None, need_hidden: bool, need_weight: bool,
+    need_bias: bool, params: str, impl: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients (d hidden, d weight, d bias; empty where not needed): the Triton launcher (cuBLAS GEMMs over
-    vocabulary chunks) or the chunked torch backward."""
-    entropy = _present(entropy)
-    params = LogprobParams(temperature, softcap, entropy is not None, vocab_chunk, token_chunk)
-    gh, gw, gb = logprob_backend(impl).backward(hidden, weight, target_ids, bias, SavedStats(m, log_s, entropy),
-                                                _present(g), _present(ge), params, need_hidden, need_weight,
-                                                need_bias and bias is not None)
+    vocabulary chunks) or the chunked torch backward. The tensors after ``bias`` and the ``need_*`` flags are a
+    ``BackwardInputs``' fields (a custom op's schema takes tensors and scalars, not objects)."""
+    grads = BackwardInputs(SavedStats(m, log_s, _present(entropy)), _present(g), _present(ge), need_hidden,
+                           need_weight, need_bias and bias is not None)
+    gh, gw, gb = logprob_backend(impl).backward(hidden, weight, target_ids, bias, LogprobParams.from_json(params),
+                                                grads)
     empty = lambda: hidden.new_empty(_EMPTY)  # noqa: E731 (outputs must not alias each other)
     return (empty() if gh is None else gh), (empty() if gw is None else gw), (empty() if gb is None else gb)
 
 
 @logprobs_bwd.register_fake
-def _(hidden, weight, target_ids, bias, m, log_s, entropy, g, ge, temperature, softcap, need_hidden, need_weight,
-      need_bias, impl, vocab_chunk=None, token_chunk=None):
+def _(hidden, weight, target_ids, bias, m, log_s, entropy, g, ge, need_hidden, need_weight, need_bias, params, impl):
     return (hidden.new_empty(hidden.shape if need_hidden else _EMPTY),
             weight.new_empty(weight.shape if need_weight else _EMPTY),
             (bias if bias is not None else hidden).new_empty(bias.shape if need_bias and bias is not None else _EMPTY))
 
 
 def _logprobs_setup(ctx, inputs, output):
-    hidden, weight, target_ids, bias, temperature, softcap, return_entropy, impl, vocab_chunk, token_chunk = inputs
+    hidden, weight, target_ids, bias, params, impl = inputs
     _, ent, m, log_s = output
     ctx.save_for_backward(hidden, weight, target_ids, bias, m, log_s, ent)
-    ctx.options = (temperature, softcap, impl, vocab_chunk, token_chunk)
+    ctx.params, ctx.impl = params, impl
     # an output nobody differentiated arrives as None, not as zeros: an unused entropy must not select the
     # entropy-gradient kernel variant (or its extra work) for nothing
     ctx.set_materialize_grads(False)
@@ -112,14 +109,12 @@ def _logprobs_setup(ctx, inputs, output):
 
 def _logprobs_backward(ctx, g, ge, _gm, _gl):
     hidden, weight, target_ids, bias, m, log_s, ent = ctx.saved_tensors
-    temperature, softcap, impl, vocab_chunk, token_chunk = ctx.options
     need_h, need_w, _, need_b = ctx.needs_input_grad[:4]
     if g is None and ge is None:
-        return None, None, None, None, None, None, None, None, None, None
+        return None, None, None, None, None, None
     gh, gw, gb = logprobs_bwd(hidden, weight, target_ids, bias, m, log_s, ent, g, ge if not _absent(ent) else None,
-                              temperature, softcap, need_h, need_w, need_b, impl, vocab_chunk, token_chunk)
-    grads = (gh if need_h else None), (gw if need_w else None), None, (gb if need_b else None)
-    return (*grads, None, None, None, None, None, None)
+                              need_h, need_w, need_b, ctx.params, ctx.impl)
+    return (gh if need_h else None), (gw if need_w else None), None, (gb if need_b else None), None, None
 
 
 logprobs_fwd.register_autograd(_logprobs_backward, setup_context=_logprobs_setup)
@@ -127,9 +122,7 @@ logprobs_fwd.register_autograd(_logprobs_backward, setup_context=_logprobs_setup
 
 def logprobs_op(hidden, weight, target_ids, bias, params: LogprobParams, impl: str):
     """``(logps [N], entropy [N] or None)`` through the custom ops; hidden ``[N, H]``."""
-    logps, ent, _, _ = logprobs_fwd(hidden, weight, target_ids, bias, float(params.temperature),
-                                    None if params.softcap is None else float(params.softcap),
-                                    params.return_entropy, impl, params.vocab_chunk, params.token_chunk)
+    logps, ent, _, _ = logprobs_fwd(hidden, weight, target_ids, bias, params.to_json(), impl)
     return logps, (ent if params.return_entropy else None)
 
 

@@ -50,10 +50,10 @@ import triton.language as tl
 from grpo_fast import dispatch
 from grpo_fast.dispatch import triton_interpreting
 from grpo_fast.kernels.launch import capturing, current_sms, current_target
-from grpo_fast.kernels.logprob_layout import (DEFAULT_SCRATCH_MIB, AccHome, StripeWalk, backward_layout,  # noqa: F401
+from grpo_fast.kernels.logprob_layout import (AccHome, StripeWalk, backward_layout,
                                               forward_layout)
 from grpo_fast.kernels.plan import Plan, traffic
-from grpo_fast.logprobs_torch import LogprobParams, SavedStats
+from grpo_fast.logprob_contract import BackwardInputs, LogprobParams
 
 logger = logging.getLogger("grpo_fast")
 
@@ -364,22 +364,26 @@ def forward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor
 
 
 def backward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tensor, bias: torch.Tensor | None,
-             saved: SavedStats, g: torch.Tensor | None, ge: torch.Tensor | None, params: LogprobParams,
-             need_hidden: bool, need_weight: bool, need_bias: bool, *, rows: torch.Tensor | str | None = "active",
-             plan: Plan | None = None):
-    """Gradients ``(d hidden or None, d weight or None, d bias or None)`` of ``sum(g * logp + ge * entropy)``.
+             params: LogprobParams, grads: BackwardInputs, *, rows: torch.Tensor | None = None,
+             every_row: bool = False, plan: Plan | None = None):
+    """Gradients ``(d hidden or None, d weight or None, d bias or None)`` of ``sum(g * logp + ge * entropy)``, those
+    ``grads`` asks for.
 
-    saved: the forward's ``[N]`` statistics; g, ge: ``[N]`` or None. ``rows``: "active" (default) walks the rows
-    whose g or ge is not zero, found here (``active_rows``, one host sync); else their indices (ascending), or None
-    for every row (the cost model, which has no data to look at). The walk is ``logprob_layout.backward_layout``'s,
-    within ``params.budget_bytes()``; ``plan``: where the launches are recorded (a new one by default)."""
+    The rows walked: those whose g or ge is not zero, found here (``active_rows``, one host sync); or ``rows``, their
+    indices (ascending) when the caller knows them; or, with ``every_row``, all of them without looking at g and ge
+    (the cost model and the static gate, whose meta tensors hold no data). The walk is
+    ``logprob_layout.backward_layout``'s, within ``params.budget_bytes()``; ``plan``: where the launches are recorded
+    (a new one by default)."""
     plan = Plan() if plan is None else plan
     budget = params.budget_bytes()
-    g = None if g is None else g.float().contiguous()
-    ge = None if ge is None else ge.float().contiguous()
-    if isinstance(rows, str):
+    need_hidden, need_weight, need_bias = grads.need_hidden, grads.need_weight, grads.need_bias
+    g = None if grads.g is None else grads.g.float().contiguous()
+    ge = None if grads.ge is None else grads.ge.float().contiguous()
+    if every_row:
+        rows = None
+    elif rows is None:
         rows = active_rows(g, ge)
-    m, log_s, entropy = saved.m, saved.log_s, saved.entropy
+    m, log_s, entropy = grads.saved.m, grads.saved.log_s, grads.saved.entropy
     n, h = hidden.shape
     v = weight.shape[0]
     dev, dtype, elem = hidden.device, hidden.dtype, hidden.element_size()

@@ -14,7 +14,8 @@ import triton
 from bench import cost_model
 from bench.cost_model import GEMM_EFFICIENCY, PROFILES, build_plans, project, step_seconds
 from grpo_fast.kernels import linear_logprobs, logprob_layout
-from grpo_fast.kernels.linear_logprobs import DEFAULT_SCRATCH_MIB, CONFIGS
+from grpo_fast.kernels.linear_logprobs import CONFIGS
+from grpo_fast.kernels.logprob_layout import DEFAULT_SCRATCH_MIB
 from grpo_fast.kernels.plan import Plan, Step
 
 MIB = 2**20

@@ -165,7 +165,7 @@ def test_launchers_are_data_under_capture():
     from grpo_fast.kernels.launch import Target, capture
     from grpo_fast.kernels.linear_logprobs import CONFIGS, forward
     from grpo_fast.kernels.plan import Plan
-    from grpo_fast.logprobs_torch import LogprobParams
+    from grpo_fast.logprob_contract import LogprobParams
 
     meta = lambda *s, dtype=torch.bfloat16: torch.empty(*s, dtype=dtype, device="meta")  # noqa: E731
     for target, family, sms in ((Target("cuda", 90, 32), "sm90", 132), (Target("hip", "gfx942", 64), "cdna", 304)):

@@ -17,8 +17,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("grpo_fast.config", "grpo_fast.outputs", "grpo_fast.checks", "grpo_fast.dispatch",
                     "grpo_fast.testing", "grpo_fast.memory.models", "grpo_fast.dtypes", "grpo_fast.benchmarking")),
     ("reference", ("grpo_fast.reference",)),
-    # the chunked PyTorch algorithms and the Triton kernels with their launchers
-    ("implementations", ("grpo_fast.logprobs_torch", "grpo_fast.loss_torch", "grpo_fast.kernels")),
+    # the chunked PyTorch algorithms and the Triton kernels with their launchers, and the contract of the log-prob pair
+    ("implementations", ("grpo_fast.logprob_contract", "grpo_fast.logprobs_torch", "grpo_fast.loss_torch",
+                         "grpo_fast.kernels")),
     # torch.library custom ops wrapping the implementations
     ("custom ops", ("grpo_fast.ops",)),
     # the public functions and the package that re-exports them; shared_prefix_forward (with the forward helpers it

@@ -17,7 +17,7 @@ from grpo_fast.kernels import logprob_layout as lay
 from grpo_fast.kernels.launch import Target, capture
 from grpo_fast.kernels.logprob_layout import AccHome
 from grpo_fast.kernels.plan import Plan
-from grpo_fast.logprobs_torch import LogprobParams, SavedStats
+from grpo_fast.logprob_contract import BackwardInputs, LogprobParams, SavedStats
 
 MIB = 2**20
 
@@ -197,11 +197,23 @@ def test_backward_layout_gathers_within_the_budget():
 
 @pytest.mark.parametrize("argv", [[], ["--frozen-head"]])
 def test_the_docstring_example_is_the_planners_output(capsys, argv):
-    """The module docstring's maps are what ``python -m grpo_fast.kernels.logprob_layout 16384 4096 151936``
+    """The module docstring's maps are what ``grpo-fast layout 16384 4096 151936``
     prints (with ``--frozen-head`` for the second)."""
     assert lay.main(["16384", "4096", "151936", *argv]) == 0
     text = capsys.readouterr().out
     assert "\n".join("    " + line for line in text.splitlines()) in lay.__doc__
+
+
+def test_grpo_fast_layout_prints_the_plan(capsys):
+    """``grpo-fast layout`` is the command the docstring names; a gathered walk moving its rows in one step says so."""
+    from grpo_fast import cli
+
+    assert cli.main(["layout", "16384", "4096", "151936"]) == 0
+    assert cli.main(["layout", "1000", "64", "5000", "--active", "300"]) == 0
+    ours, small = capsys.readouterr().out.split("forward:")[1:]
+    assert lay.main(["16384", "4096", "151936"]) == 0
+    assert "forward:" + ours == capsys.readouterr().out
+    assert "300 gathered hidden rows" in small and "moves to its row, all at once" in small
 
 
 # ------------------------------------------------------------------------------------------------ the plans, pinned
@@ -219,8 +231,9 @@ def _plans(n, h, v, dtype, budget, *, entropy, need, bias=False, softcap=False, 
     with capture(Target("cuda", 90, 32), sms=sms):
         params = LogprobParams(0.7, 30.0 if softcap else None, entropy, budget=budget)
         _, ent, m, log_s = ll.forward(hidden, weight, y, b, params, plan=fwd)
-        ll.backward(hidden, weight, y, b, SavedStats(m, log_s, ent), g, ge, params, "h" in need, "w" in need,
-                    bias and "b" in need, rows=None if rows is None else meta(rows, dt=torch.int64), plan=bwd)
+        grads = BackwardInputs(SavedStats(m, log_s, ent), g, ge, "h" in need, "w" in need, bias and "b" in need)
+        ll.backward(hidden, weight, y, b, params, grads, rows=None if rows is None else meta(rows, dt=torch.int64),
+                    every_row=rows is None, plan=bwd)
     return fwd, bwd
 
 
@@ -348,7 +361,7 @@ def test_torch_chunks_at_the_default_budget_are_the_old_ones(n, v, h):
 
 
 def test_the_torch_path_reads_the_budget_setting(monkeypatch):
-    from grpo_fast.logprobs_torch import LogprobParams
+    from grpo_fast.logprob_contract import LogprobParams
 
     monkeypatch.delenv("GRPO_FAST_SCRATCH_MIB", raising=False)
     assert LogprobParams().budget_bytes() == lay.DEFAULT_SCRATCH_BYTES

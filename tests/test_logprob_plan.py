@@ -14,10 +14,10 @@ from grpo_fast import fused_logprobs
 from grpo_fast.dispatch import triton_interpreting
 from grpo_fast.kernels import linear_logprobs as ll
 from grpo_fast.kernels.launch import Target, capture
-from grpo_fast.kernels.logprob_layout import AccHome, backward_layout
+from grpo_fast.kernels.logprob_layout import DEFAULT_SCRATCH_MIB, AccHome, backward_layout
 from grpo_fast.kernels.plan import Plan
-from grpo_fast.logprobs_torch import LogprobParams, SavedStats
-from grpo_fast.testing import assert_close_rule
+from grpo_fast.logprob_contract import BackwardInputs, LogprobParams, SavedStats
+from grpo_fast.testing import assert_close_rule, head_inputs, upstream_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernels = pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreting(),
@@ -28,17 +28,11 @@ TIGHT_KIB = 12  # the fp32 accumulator is over half of it at these sizes: it goe
 
 def _case(seed, inactive):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(N, H, generator=gen, dtype=torch.float64)
-    weight = torch.randn(V, H, generator=gen, dtype=torch.float64) / H**0.5
-    bias = torch.randn(V, generator=gen, dtype=torch.float64) * 0.3
-    targets = torch.randint(0, V, (N,), generator=gen)
-    g, ge = (torch.randn(N, generator=gen, dtype=torch.float64) for _ in range(2))
-    if inactive:  # padding: rows with no upstream gradient at all, and rows with only one of the two
-        dead = torch.randperm(N, generator=gen)[: N // 3]
-        g[dead] = 0.0
-        ge[dead] = 0.0
-        g[torch.tensor([1, 2])] = 0.0
-        ge[torch.tensor([3, 4])] = 0.0
+    hidden, weight, bias, targets = head_inputs((N,), H, V, gen, draw_dtype=torch.float64, bias_scale=0.3)
+    # inactive: padding, rows with no upstream gradient at all, and rows with only one of the two
+    rows = dict(dead=torch.randperm(N, generator=gen)[: N // 3].tolist(), no_logp_grad=[1, 2],
+                no_entropy_grad=[3, 4]) if inactive else {}
+    g, ge = upstream_grads(N, gen, **rows)
     return hidden, weight, bias, targets, g, ge
 
 
@@ -139,18 +133,24 @@ def test_temporaries_stay_within_the_budget_at_gpu_sizes(n, h, v, dtype):
     64 MiB at GPU sizes, the fp32 d-hidden accumulator included; launches come per vocabulary chunk, never per row
     block."""
     meta = lambda *s, dt=dtype: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
-    budget = ll.DEFAULT_SCRATCH_MIB * 2**20
+    budget = DEFAULT_SCRATCH_MIB * 2**20
     fwd, bwd = Plan(), Plan()
     with capture(Target("cuda", 90, 32), sms=132):
         block_n = ll.tile_config(torch.device("meta"), n).block_n
         params = LogprobParams(budget=budget)
         _, _, m, log_s = ll.forward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, params, plan=fwd)
-        ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, SavedStats(m, log_s),
-                    meta(n, dt=torch.float32), None, params, True, True, False, rows=None, plan=bwd)
+        ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, params,
+                    BackwardInputs(SavedStats(m, log_s), meta(n, dt=torch.float32)), every_row=True, plan=bwd)
     assert fwd.peak_bytes <= budget and bwd.peak_bytes <= budget
     stats = [s for s in fwd.steps if s.name == "chunk_stats"]
     assert len(stats) == len([s for s in fwd.steps if s.name == "logits"]) and len(fwd.steps) == 2 * len(stats) + 1
     assert all(s.shape[0] == -(-n // block_n) for s in stats)
+
+
+def _frozen_head(g):
+    """A d-hidden-only backward's inputs (a frozen lm_head) for upstream gradient ``g``, with meta statistics."""
+    stats = SavedStats(torch.empty_like(g), torch.empty_like(g))
+    return BackwardInputs(stats, g, need_hidden=True, need_weight=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -162,9 +162,9 @@ def test_frozen_lm_head_backward_stays_within_the_budget(dtype):
     bwd = Plan()
     with capture(Target("cuda", 90, 32), sms=132):
         ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None,
-                    SavedStats(meta(n, dt=torch.float32), meta(n, dt=torch.float32)), meta(n, dt=torch.float32), None,
-                    LogprobParams(budget=ll.DEFAULT_SCRATCH_MIB * 2**20), True, False, False, rows=None, plan=bwd)
-    assert bwd.peak_bytes <= ll.DEFAULT_SCRATCH_MIB * 2**20
+                    LogprobParams(budget=DEFAULT_SCRATCH_MIB * 2**20), _frozen_head(meta(n, dt=torch.float32)),
+                    every_row=True, plan=bwd)
+    assert bwd.peak_bytes <= DEFAULT_SCRATCH_MIB * 2**20
     assert bwd.flops == 4 * n * h * v
 
 
@@ -190,9 +190,8 @@ def test_frozen_head_stripes_halve_in_grad_hidden():
     meta = lambda *s, dt=torch.bfloat16: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
     bwd = Plan()
     with capture(Target("cuda", 90, 32), sms=132):
-        ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None,
-                    SavedStats(meta(n, dt=torch.float32), meta(n, dt=torch.float32)), meta(n, dt=torch.float32), None,
-                    LogprobParams(budget=64 * 2**20), True, False, False, rows=None, plan=bwd)
+        ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None, LogprobParams(budget=64 * 2**20),
+                    _frozen_head(meta(n, dt=torch.float32)), every_row=True, plan=bwd)
     stripes = [s.shape[0] // h for s in bwd.steps if s.name == "zero"]  # each stripe zeroes its accumulator
     assert stripes == [8192, 4096, 2048, 2048] and sum(stripes) == n
     widths = [s.shape[1] for s in bwd.steps if s.name == "logits (recomputed)"]
