@@ -119,13 +119,6 @@ def _base_row(shape, profile: str, how: str, args) -> dict:
 # Measurement (CUDA only)
 
 
-def time_cuda(fn, *, warmup: int, reps: int, setup=None) -> list[float]:
-    """Milliseconds of each of ``reps`` calls of ``fn()`` after ``warmup`` untimed ones on the current CUDA device
-    (``grpo_fast.benchmarking.time_calls``: CUDA events, the device synchronised before each call); ``setup()`` runs
-    untimed before every call. One name for the tests to replace on a CPU."""
-    return time_calls(fn, device="cuda", reps=reps, warmup=warmup, setup=setup)
-
-
 def measure_fused(x: dict, *, entropy: bool, warmup: int, reps: int, seed: int) -> dict:
     """(a): times, extra memory and the correctness check of ``fused_logprobs`` forward + backward."""
     from grpo_fast import fused_logprobs
@@ -149,7 +142,7 @@ def measure_fused(x: dict, *, entropy: bool, warmup: int, reps: int, seed: int) 
         hidden.grad = None
         weight.grad = None
 
-    times = time_cuda(step, warmup=warmup, reps=reps, setup=clear_grads)
+    times = time_calls(step, device=hidden.device, reps=reps, warmup=warmup, setup=clear_grads)
 
     clear_grads()
     torch.cuda.synchronize()
@@ -242,7 +235,7 @@ def measure_gemms(x: dict, *, warmup: int, reps: int, seed: int) -> dict:
     gen = torch.Generator(device=hidden.device).manual_seed(seed + 2)
     dlogits = torch.randn(n * chunk, generator=gen, device=hidden.device, dtype=hidden.dtype).mul_(1e-3)
     gemms, _ = bare_gemms(hidden, weight, dlogits, chunk)
-    times = time_cuda(gemms, warmup=warmup, reps=reps)
+    times = time_calls(gemms, device=hidden.device, reps=reps, warmup=warmup)
     return {"median_ms": statistics.median(times), "min_ms": min(times), "chunks": math.ceil(v / chunk),
             "chunk": chunk}
 

@@ -62,7 +62,7 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_memory.py
 import torch
 
 from bench import harness
-from grpo_fast.benchmarking import synchronize
+from grpo_fast.benchmarking import PhaseTimer, time_calls
 from grpo_fast.dtypes import DTYPES  # torch's names: float32, bfloat16, float16
 from grpo_fast.memory.projection import Training
 
@@ -202,19 +202,6 @@ def shared_forward(group_size: int):
 # The child: build, warm up, time, track
 
 
-class PhaseTimer:
-    def __init__(self, device: torch.device):
-        self.device, self.ms = device, {p: [] for p in PHASES}
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        synchronize(self.device)
-        t0 = time.perf_counter()
-        yield
-        synchronize(self.device)
-        self.ms[name].append((time.perf_counter() - t0) * 1e3)
-
-
 def _owners(policy, ref, critic, optimizer):
     from bench.memtrack import storage_ids
 
@@ -351,14 +338,9 @@ def run_config(name: str, shape: dict, device: str, dtype: str, threads: int, re
     if setup is None:
         return dict(skipped=NOT_AVAILABLE)
     setup.step(phase=lambda _: contextlib.nullcontext())  # warm-up: AdamW's states, lazy initialisation
-    timer = PhaseTimer(device)
+    timer = PhaseTimer(device, PHASES)
     check = _cross_check_start(device)
-    step_ms = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        setup.step(phase=timer.phase)
-        synchronize(device)
-        step_ms.append((time.perf_counter() - t0) * 1e3)
+    step_ms = time_calls(lambda: setup.step(phase=timer.phase), device=device, reps=reps)
     result = dict(step_ms=statistics.median(step_ms), phase_ms={p: statistics.median(v) for p, v in timer.ms.items()},
                   **_cross_check_end(device, check))
     peaks = tracked_step(setup)

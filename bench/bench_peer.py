@@ -64,6 +64,7 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_peer.py
 import torch
 
 from bench import harness
+from grpo_fast.benchmarking import PhaseTimer
 from grpo_fast.train.model import checkpointing_arguments
 
 TRAINERS = ("grpo_fast", "trl")
@@ -346,15 +347,19 @@ def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None, 
     from grpo_fast.train.evaluation import evaluate
     from grpo_fast.train.trainer import setup
 
-    class StepTimer(TrainerCallback):
+    class StepTimer(TrainerCallback):  # TRL's Trainer drives the loop: its step hooks mark the phase's ends
         def __init__(self):
-            self.ms, self._t = [], None
+            self.timer = PhaseTimer("cpu", ("step",))
+
+        @property
+        def ms(self):
+            return self.timer.ms["step"]
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self._t = time.perf_counter()
+            self.timer.start("step")
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.ms.append(1e3 * (time.perf_counter() - self._t))
+            self.timer.stop("step")
 
     cfg = default_config(steps, seed, "unused", **(overrides or {}))
     timer = StepTimer()

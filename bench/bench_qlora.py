@@ -55,6 +55,7 @@ if __package__ in (None, ""):  # run as a script: python bench/bench_qlora.py
 import torch
 
 from bench import bench_memory, harness
+from grpo_fast.benchmarking import PhaseTimer, time_calls
 
 CONFIGS = {
     "full": dict(lora_r=0, load_in_4bit=False, optim="adamw_torch_fused"),
@@ -227,29 +228,14 @@ def trl_peft_kwargs(config: str) -> dict:
     return out
 
 
-class PhaseTimer:
-    def __init__(self, phases):
-        self.ms = {p: [] for p in phases}
-
-    @contextlib.contextmanager
-    def phase(self, name: str):
-        t0 = time.perf_counter()
-        yield
-        self.ms[name].append((time.perf_counter() - t0) * 1e3)
-
-
 def _measure(step, phases, reps: int, models, trained_model, optimizer, inputs, shape: Shape) -> dict:
     """Warm-up, ``reps`` timed steps, one tracked step."""
     step(lambda _: contextlib.nullcontext())  # the optimizer's states and every lazy initialisation
-    timer = PhaseTimer(phases)
+    timer = PhaseTimer("cpu", phases)
     harness.trim_heap()
     harness.reset_peak_rss()
     rss0 = harness.rss_bytes()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step(timer.phase)
-        times.append((time.perf_counter() - t0) * 1e3)
+    times = time_calls(lambda: step(timer.phase), device="cpu", reps=reps)
     rss_step = harness.peak_rss_bytes() - rss0
     peaks = tracked(models, trained_model, optimizer, inputs, shape.vocab, shape.hidden, step)
     return dict(step_ms=statistics.median(times), phase_ms={p: statistics.median(v) for p, v in timer.ms.items()},

@@ -1,4 +1,5 @@
-"""What ``grpo-fast doctor`` and the benchmarks in ``bench/`` share: the timer, the names of the machine and of the
+"""What ``grpo-fast doctor`` and the benchmarks in ``bench/`` share: the timers (``time_calls`` for repeated calls,
+``PhaseTimer`` for the phases of a step that something else drives), the names of the machine and of the
 installed distributions, and the Liger-Kernel baseline they compare with.
 
 It lives in the package because the doctor is installed and ``bench/`` is not (the package never imports
@@ -7,6 +8,7 @@ It lives in the package because the doctor is installed and ``bench/`` is not (t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import os
 import platform
@@ -55,6 +57,32 @@ def time_calls(fn, *, device, reps: int, warmup: int = 0, setup=None) -> list[fl
         if i >= warmup:
             times.append(ms)
     return times
+
+
+class PhaseTimer:
+    """Milliseconds of named phases, one list per phase (``ms[name]``): ``with timer.phase(name): ...`` or
+    ``start(name)`` ... ``stop(name)`` where a callback marks the ends (a trainer's step hooks). The device is
+    synchronised at both ends, so a phase counts its own device work and no earlier work (the same clock as
+    ``time_calls`` off CUDA: ``time.perf_counter``)."""
+
+    def __init__(self, device="cpu", phases=()):
+        self.device = torch.device(device)
+        self.ms: dict[str, list[float]] = {p: [] for p in phases}
+        self._started: dict[str, float] = {}
+
+    def start(self, name: str) -> None:
+        synchronize(self.device)
+        self._started[name] = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        synchronize(self.device)
+        self.ms.setdefault(name, []).append((time.perf_counter() - self._started.pop(name)) * 1e3)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self.start(name)
+        yield
+        self.stop(name)
 
 
 def dist_version(dist: str) -> str | None:

@@ -243,6 +243,17 @@ def _elsewhere_parsers(sub) -> None:
     sub.add_parser("fit", help=FIT_DESCRIPTION, description=FIT_DESCRIPTION)
 
 
+def _layout_parser(sub) -> None:
+    """``grpo-fast layout``: the log-prob launchers' memory plan for a shape (``grpo_fast.kernels.logprob_layout``,
+    pure Python: nothing runs)."""
+    from grpo_fast.kernels import logprob_layout
+
+    p = sub.add_parser("layout", help="where the log-prob kernels' temporaries and accumulator live for a shape "
+                                      "(N H V), planned from sizes alone", description=logprob_layout.DESCRIPTION)
+    logprob_layout.add_arguments(p)
+    p.set_defaults(run=logprob_layout.run)
+
+
 # ------------------------------------------------------------------------------------------------ doctor
 
 
@@ -446,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     _convert_parser(sub)
     _elsewhere_parsers(sub)
     _doctor_parser(sub)
+    _layout_parser(sub)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # the subcommand's parser says it: its prog, and the nearest of its own options
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -21,7 +21,7 @@ grad_hidden's bytes that no finished stripe holds while they are enough (stripes
 temporary at the end of the stripes' buffer. ``AccHome`` names where each piece of an accumulator lives.
 
 Worked example: N = 16384, H = 4096, V = 151936, bf16, every row active, the default 64 MiB. With d weight
-(``python -m grpo_fast.kernels.logprob_layout 16384 4096 151936`` prints it; ``--help`` for other cases)::
+(``grpo-fast layout 16384 4096 151936`` prints it; ``grpo-fast layout --help`` for other cases)::
 
     forward: 80 chunks of <= 1920 columns through one [16384, 1920] buffer (60.0 MiB), 1 column split(s)
     backward: vocabulary walk over 16384 rows within 64.0 MiB
@@ -426,26 +426,35 @@ def describe(n: int, h: int, v: int, elem: int, budget: int, *, active: int | No
             gw_map.append(f"      in {len(walk.recompute)} chunks of <= {walk.recompute_chunk} columns ([{n}, "
                           f"{walk.recompute_chunk}] buffer, {_mib(n * walk.recompute_chunk * elem)})")
     if walk.move_piece:
-        gh_map.append(f"    then each gathered row's d hidden moves to its row, {walk.move_piece} rows a step")
+        step = min(walk.move_piece, a)
+        gh_map.append(f"    then each gathered row's d hidden moves to its row, "
+                      f"{'all at once' if step == a else f'{step} rows a step'}")
     return "\n".join(lines + gh_map + gw_map)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m grpo_fast.kernels.logprob_layout",
-                                description="Print the log-prob launchers' memory plan for a shape.")
-    p.add_argument("n", type=int)
-    p.add_argument("h", type=int)
-    p.add_argument("v", type=int)
+DESCRIPTION = "Print the log-prob launchers' memory plan for a shape: where each temporary and accumulator lives."
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``grpo-fast layout`` (``grpo_fast.cli``)."""
+    p.add_argument("n", type=int, help="tokens (rows of hidden)")
+    p.add_argument("h", type=int, help="hidden size")
+    p.add_argument("v", type=int, help="vocabulary size")
     p.add_argument("--elem", type=int, default=2, help="bytes per input element (default 2: bf16/fp16)")
-    p.add_argument("--budget-mib", type=float, default=DEFAULT_SCRATCH_MIB)
+    p.add_argument("--budget-mib", type=float, default=DEFAULT_SCRATCH_MIB,
+                   help=f"the temporaries budget (default {DEFAULT_SCRATCH_MIB}, what GRPO_FAST_SCRATCH_MIB sets)")
     p.add_argument("--active", type=int, default=None, help="rows with an upstream gradient (default: all)")
     p.add_argument("--frozen-head", action="store_true", help="no d weight (row stripes)")
     p.add_argument("--splits", type=int, default=1, help="the forward's column splits (the launcher's choice)")
-    ns = p.parse_args(argv)
+
+
+def run(ns: argparse.Namespace) -> int:
     print(describe(ns.n, ns.h, ns.v, ns.elem, int(ns.budget_mib * 2**20), active=ns.active,
                    need_weight=not ns.frozen_head, splits=ns.splits))
     return 0
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="grpo-fast layout", description=DESCRIPTION)
+    add_arguments(p)
+    return run(p.parse_args(argv))

@@ -292,14 +292,14 @@ def cuda_counters(monkeypatch):
     through the interpreter): every call times 1 ms, the peak is a fixed 5 GiB above a 1 GiB baseline."""
     calls = []
 
-    def time_cuda(fn, *, warmup, reps, setup=None):
+    def time_calls(fn, *, device, reps, warmup=0, setup=None):
         for _ in range(warmup + reps):
             if setup is not None:
                 setup()
             calls.append(fn())
         return [1.0] * reps
 
-    monkeypatch.setattr(bench_head, "time_cuda", time_cuda)
+    monkeypatch.setattr(bench_head, "time_calls", time_calls)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 2**30)

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from grpo_fast.logprobs import chunked_logprobs
-from grpo_fast.logprobs_torch import LogprobParams
+from grpo_fast.logprob_contract import LogprobParams
 from grpo_fast.reference import logprobs_reference
-from grpo_fast.testing import assert_close_rule
+from grpo_fast.testing import assert_close_rule, head_inputs, upstream_grads
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 NAMES = ("logps", "entropy", "d_hidden", "d_weight", "d_bias")
@@ -23,28 +23,19 @@ N, V, H = 123, 1151, 96
 
 def _inputs(n=N, v=V, h=H, dtype=torch.float32, seed=0, bias=True, logit_scale=3.0):
     """hidden [n, h], weight [v, h] (logits of std ~logit_scale), bias [v] or None, targets [n]; cast to dtype."""
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, h, generator=gen, dtype=torch.float64) * (logit_scale / h**0.5)
-    b = torch.randn(v, generator=gen, dtype=torch.float64) if bias else None
-    targets = torch.randint(0, v, (n,), generator=gen)
+    hidden, weight, b, targets = head_inputs((n,), h, v, torch.Generator().manual_seed(seed),
+                                             draw_dtype=torch.float64, logit_scale=logit_scale,
+                                             bias_scale=1.0 if bias else None)
     cast = lambda x: None if x is None else x.to(dtype)  # noqa: E731
     return cast(hidden), cast(weight), cast(b), targets
 
 
 def _upstream(n, seed=1, zero_rows=()):
-    """Random upstream gradients (g for logps, ge for entropy), float32-representable, with exact zeros.
-
-    Rows in ``zero_rows`` are zero in both; a few more rows are zero in only one of them.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    g = torch.randn(n, generator=gen).double()
-    ge = torch.randn(n, generator=gen).double()
-    g[::5] = 0.0  # logp gradient zero, entropy gradient live
-    ge[1::7] = 0.0  # entropy gradient zero, logp gradient live
-    g[list(zero_rows)] = 0.0
-    ge[list(zero_rows)] = 0.0
-    return g, ge
+    """Random upstream gradients (g for logps, ge for entropy), float32-representable, with exact zeros: rows in
+    ``zero_rows`` in both, every fifth row in g only, every seventh (from row 1) in ge only."""
+    g, ge = upstream_grads(n, torch.Generator().manual_seed(seed), dead=zero_rows, no_logp_grad=slice(None, None, 5),
+                           no_entropy_grad=slice(1, None, 7), dtype=torch.float32)
+    return g.double(), ge.double()
 
 
 def _run(impl, hidden, weight, bias, targets, params, g, ge, cast=None, grad=(True, True, True)):
@@ -272,7 +263,7 @@ _PEAK_SCRIPT = textwrap.dedent(
     """
     import json, re, resource, sys, torch
     from grpo_fast.logprobs import chunked_logprobs
-    from grpo_fast.logprobs_torch import LogprobParams
+    from grpo_fast.logprob_contract import LogprobParams
 
     n, v, h, dtype = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4])
 

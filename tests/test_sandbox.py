@@ -7,7 +7,6 @@ also check the status, the score and that the run returned within its wall-clock
 
 from __future__ import annotations
 
-import errno
 import os
 import re
 import socket

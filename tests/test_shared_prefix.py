@@ -29,7 +29,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 import grpo_fast
-from grpo_fast import GRPOLossConfig, fused_logprobs, grpo_loss
+from grpo_fast import GRPOLossConfig, grpo_loss
 from grpo_fast.testing import assert_close_rule
 from grpo_fast.train.forward import completion_hidden, head_of
 from grpo_fast.train.rollout import SamplingParams, generate

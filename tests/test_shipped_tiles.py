@@ -26,13 +26,13 @@ from grpo_fast import fused_logprobs
 from grpo_fast.dispatch import triton_interpreting
 from grpo_fast.kernels import linear_logprobs  # noqa: F401 (loads the launchers' modules, whose hooks are patched)
 from grpo_fast.kernels.linear_logprobs import CONFIGS
+from grpo_fast.kernels.logprob_layout import CHUNK_ALIGN
 from grpo_fast.kernels.plan import Plan
-from grpo_fast.testing import assert_close_rule
+from grpo_fast.testing import assert_close_rule, head_inputs, upstream_grads
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(DEVICE == "cpu" and not triton_interpreting(),
                                 reason="Triton needs CUDA or TRITON_INTERPRET=1")
-CHUNK_ALIGN = 128  # the launchers' vocabulary chunks are multiples of this many columns
 H = 39  # odd: no row of hidden, weight or their gradients is a whole number of 16-byte vectors
 TEMPERATURE, SOFTCAP = 0.7, 3.3
 
@@ -96,19 +96,11 @@ def _case(n, v, chunk, cfg, seed):
     the last partial row block), rows without any upstream gradient (gathered away) and rows with only one of the two;
     the first row, the last row and the target-edge rows stay active."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, H, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, H, generator=gen, dtype=torch.float64) / H**0.5
-    bias = torch.randn(v, generator=gen, dtype=torch.float64) * 0.3
-    targets = torch.randint(0, v, (n,), generator=gen)
+    hidden, weight, bias, targets = head_inputs((n,), H, v, gen, draw_dtype=torch.float64, bias_scale=0.3)
     edges = [0, v - 1, chunk - 1, chunk, cfg.block_c - 1, cfg.block_c, 2 * chunk, v - 2]
     targets[: len(edges)] = torch.tensor(edges)
     targets[n - 1] = v - 1
-    g, ge = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(2))
-    dead = torch.tensor([8, 9, n // 2, n - 3])
-    g[dead] = 0.0
-    ge[dead] = 0.0
-    g[torch.tensor([10, n - 2])] = 0.0
-    ge[torch.tensor([11, 12])] = 0.0
+    g, ge = upstream_grads(n, gen, dead=[8, 9, n // 2, n - 3], no_logp_grad=[10, n - 2], no_entropy_grad=[11, 12])
     return hidden, weight, bias, targets, g, ge
 
 

@@ -40,7 +40,7 @@ from grpo_fast.reference import (  # noqa: E402
     high_entropy_mask_reference,
     logprobs_reference,
 )
-from grpo_fast.testing import assert_close_rule  # noqa: E402
+from grpo_fast.testing import assert_close_rule, head_inputs  # noqa: E402
 
 F64 = torch.float64
 B, T, H, V = 6, 13, 16, 67
@@ -55,10 +55,8 @@ def _case(config, seed=0, with_bias=False, adv_per_token=False, on_policy=False,
     """Float64 inputs of one loss call. Old log-probs are the current ones plus noise, a per-row offset and two
     spikes (log-ratio +2 at t=0, -2 at t=1), so every clip branch fires, in both directions, at both levels."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(B, T, H, generator=gen, dtype=F64)
-    weight = torch.randn(V, H, generator=gen, dtype=F64) * (2.0 / H**0.5)
-    bias = torch.randn(V, generator=gen, dtype=F64) * 0.5 if with_bias else None
-    target_ids = torch.randint(0, V, (B, T), generator=gen)
+    hidden, weight, bias, target_ids = head_inputs((B, T), H, V, gen, draw_dtype=F64, logit_scale=2.0,
+                                                   bias_scale=0.5 if with_bias else None)
     mask = make_mask(B, T, gen)
     if adv_per_token:
         advantages = torch.randn(B, T, generator=gen, dtype=F64)

@@ -382,7 +382,7 @@ def project(method: str, shape: ModelShape, step: Step, decoder: DecoderBytes, l
     if method not in training.methods():
         raise ValueError(f"{method}: modelled for full fine-tuning without activation checkpointing only")
     H, V, L = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers
-    psi, trained, psi_critic = shape.num_params(), trained_params(shape, training), critic_params(shape)
+    trained, psi_critic = trained_params(shape, training), critic_params(shape)
     R, P, T = step.rows, step.prompt_len, step.completion_len
     S, N = P + T, R * T
     flash, bf16, ckpt, lora = device == "cuda", compute_bytes != 4, training.checkpointing, bool(training.lora_r)

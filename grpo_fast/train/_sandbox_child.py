@@ -8,7 +8,7 @@ not importable here.
 """
 
 import json, os, resource, sys
-import signal, _posixsubprocess  # loaded now so that stub_unaudited_calls can stub their C functions
+import signal, _posixsubprocess  # noqa: F401 (loaded now so that stub_unaudited_calls can stub their C functions)
 
 # landlock.py and plain_data.py sit next to this file; its directory leaves sys.path again before any completion runs
 _HERE = os.path.dirname(os.path.abspath(__file__))
