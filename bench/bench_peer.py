@@ -433,7 +433,7 @@ def plot(csv_path: Path, window: int = 25) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from grpo_fast.train.metrics import _smooth
+    from grpo_fast.train.metrics import smooth
 
     rows = [r for r in harness.read_csv(csv_path) if not r["error"]]
     curves: dict[tuple[str, str], list[dict]] = {}
@@ -453,7 +453,7 @@ def plot(csv_path: Path, window: int = 25) -> Path:
             axes[0].plot(x, [float(c["reward"]) for c in curve[:steps]], color=color, lw=0.5, alpha=0.2)
             axes[1].plot(x, [float(c["step_ms"]) for c in curve[:steps]], color=color, lw=0.5, alpha=0.4)
         mean = [statistics.fmean(float(c[i]["reward"]) for c in per_seed) for i in range(steps)]
-        axes[0].plot(x, _smooth(mean, window), color=color, lw=2,
+        axes[0].plot(x, smooth(mean, window), color=color, lw=2,
                      label=f"{label}, mean of {len(per_seed)} seeds ({window}-step mean)")
         median_ms = statistics.median(float(r["median_step_ms"]) for r in runs)
         axes[1].plot([], [], color=color, label=f"{label} (median {median_ms:.0f} ms)")

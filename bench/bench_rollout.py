@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench import harness
+from grpo_fast.benchmarking import PhaseTimer
 
 MODELS = {
     "tiny": dict(prompts=16, group=16, new_tokens=4, prompt_tokens=None),
@@ -94,23 +95,21 @@ def measure_engine(model: str, engine: str, reps: int, steps: int, seed: int, th
             pass
     startup = time.perf_counter() - t0
     sample(0)  # warm-up
-    gen, syncs, tokens, cached = [], [], [], []
+    timer, tokens, cached = PhaseTimer("cpu", ("generate", "sync")), [], []
     for r in range(reps):
-        t = time.perf_counter()
-        ro = sample(r + 1)
-        gen.append(time.perf_counter() - t)
+        with timer.phase("generate"):
+            ro = sample(r + 1)
         tokens.append(int(ro.completion_mask.sum()))
         cached.append(getattr(eng, "cached_prompt_tokens", 0) if engine == "vllm" else 0)
-        t = time.perf_counter()
-        sync()
-        syncs.append(time.perf_counter() - t)
-    gen_s = statistics.median(gen)
+        with timer.phase("sync"):
+            sync()
+    gen_s = statistics.median(timer.ms["generate"]) / 1e3
     row = {
         "model": model, "engine": engine, "params_m": round(sum(p.numel() for p in policy.parameters()) / 1e6, 2),
         "prompts": spec["prompts"], "group": spec["group"], "prompt_tokens": P, "new_tokens": spec["new_tokens"],
         "startup_s": round(startup, 2), "gen_ms": round(1000 * gen_s, 1),
         "tokens_per_s": round(statistics.median(tokens) / gen_s, 1), "cached_tokens": statistics.median(cached),
-        "sync_ms": round(1000 * statistics.median(syncs), 2),
+        "sync_ms": round(statistics.median(timer.ms["sync"]), 2),
     }
     if engine == "vllm":
         eng.close()

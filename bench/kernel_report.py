@@ -140,7 +140,7 @@ def _logprob_launches():
     """(description, input dtype, aligned, thunk) for the forward and backward log-prob launchers over dtypes,
     layouts, token counts, bias / softcap / entropy and which upstream gradients exist (g, ge, both), with and
     without the weight's gradient (the backward keeps its chunk buffer in grad_weight when that is wanted), with
-    every row active and with the active rows gathered (``rows`` from ``active_rows``, as the custom op passes).
+    every row active and with the active rows gathered (``rows``: what ``active_rows`` finds in a real backward).
     Only the Triton launches are compiled: the GEMMs go to cuBLAS (``_plan`` checks their shapes)."""
     from grpo_fast.kernels.linear_logprobs import backward, forward
     from grpo_fast.logprob_contract import BackwardInputs, LogprobParams, SavedStats
@@ -156,7 +156,7 @@ def _logprob_launches():
                         _vector(v, dtype, off) if bias else None,
                         LogprobParams(0.7, 30.0 if softcap else None, entropy, budget=budget), plan=_plan())
             yield f"forward {tag} N={n} bias={bias} softcap={softcap} entropy={entropy}", dtype, not off, fwd
-        # rows: None (every row active) or the indices of the active rows, which the backward gathers into fresh
+        # every_row (all rows active) or rows, the indices of the active rows, which the backward gathers into fresh
         # [A] vectors (aligned, small: a target-id pointer attribute differs from the caller's); the gathered case
         # over the dimensions that change what the kernels are passed, with both gradients and no softcap
         for n, bias, softcap, grads, need_weight, gathered in itertools.product(

@@ -76,13 +76,17 @@ class PhaseTimer:
 
     def stop(self, name: str) -> None:
         synchronize(self.device)
+        if name not in self._started:
+            raise RuntimeError(f"PhaseTimer.stop: phase {name!r} was not started (started: {sorted(self._started)})")
         self.ms.setdefault(name, []).append((time.perf_counter() - self._started.pop(name)) * 1e3)
 
     @contextlib.contextmanager
     def phase(self, name: str):
         self.start(name)
-        yield
-        self.stop(name)
+        try:
+            yield
+        finally:  # a phase that raised still ends: the next start of it is not refused or mis-timed
+            self.stop(name)
 
 
 def dist_version(dist: str) -> str | None:

@@ -251,7 +251,7 @@ def _layout_parser(sub) -> None:
     p = sub.add_parser("layout", help="where the log-prob kernels' temporaries and accumulator live for a shape "
                                       "(N H V), planned from sizes alone", description=logprob_layout.DESCRIPTION)
     logprob_layout.add_arguments(p)
-    p.set_defaults(run=logprob_layout.run)
+    p.set_defaults(run=lambda args: logprob_layout.run(args, p))
 
 
 # ------------------------------------------------------------------------------------------------ doctor

@@ -23,6 +23,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
+import operator
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -50,10 +52,25 @@ class LogprobParams:
     token_chunk: int | None = None
     budget: int | None = None
 
-    def __post_init__(self):  # one type per option: a softcap of 30 and of 30.0 launch the same kernels
-        object.__setattr__(self, "temperature", float(self.temperature))
-        if self.softcap is not None:
-            object.__setattr__(self, "softcap", float(self.softcap))
+    def __post_init__(self):
+        # one type per option (a softcap of 30 and of 30.0 launch the same kernels; numpy scalars become Python
+        # ones), and only values the JSON below carries: finite positive scales, positive sizes
+        for name in ("temperature", "softcap"):
+            value = getattr(self, name)
+            if value is None and name == "softcap":
+                continue
+            value = float(value)
+            if not 0.0 < value < math.inf:
+                raise ValueError(f"LogprobParams: {name} must be a finite number > 0, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "return_entropy", bool(self.return_entropy))
+        for name in ("vocab_chunk", "token_chunk", "budget"):
+            value = getattr(self, name)
+            if value is not None:
+                value = operator.index(value)
+                if value < 1:
+                    raise ValueError(f"LogprobParams: {name} must be a positive integer or None, got {value!r}")
+                object.__setattr__(self, name, value)
 
     def budget_bytes(self) -> int:
         return scratch_bytes() if self.budget is None else self.budget
@@ -61,7 +78,8 @@ class LogprobParams:
     def to_json(self) -> str:
         """The options as one JSON object: how they cross a custom op's schema (which takes no objects). Written
         field by field (numbers by ``repr``, which round-trips) rather than by ``json.dumps``, which
-        ``torch.compile`` cannot trace: a params object is made inside compiled code."""
+        ``torch.compile`` cannot trace: a params object is made inside compiled code (``GRPOLossConfig``, made by
+        the caller before any tracing, keeps ``json.dumps``)."""
         return "{" + ", ".join(f'"{f.name}": {_json_scalar(getattr(self, f.name))}'
                                for f in dataclasses.fields(self)) + "}"
 

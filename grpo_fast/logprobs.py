@@ -53,7 +53,7 @@ def logprobs_and_entropy(hidden, weight, target_ids, bias, temperature, softcap,
     lead = target_ids.shape
     h2 = hidden.reshape(-1, hidden.shape[-1])
     y = target_ids.reshape(-1).long()
-    params = LogprobParams(temperature=float(temperature), softcap=softcap, return_entropy=return_entropy)
+    params = LogprobParams(temperature=temperature, softcap=softcap, return_entropy=return_entropy)
     if impl == "triton":
         h2, y = (h2 if h2.stride(-1) == 1 else h2.contiguous()), y.contiguous()
     logps, entropy = logprobs_op(h2, weight, y, bias, params, impl)

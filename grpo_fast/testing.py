@@ -82,7 +82,8 @@ def upstream_grads(n: int, generator: torch.Generator, *, dead=(), no_logp_grad=
                    dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """Upstream gradients ``(g, ge)`` of a log-prob backward, ``[n]`` each: g for the log-probs, ge for the entropy,
     ~ N(0, 1) drawn in ``dtype`` (g first), with exact zeros: rows ``dead`` in both (padding: no matmul work), rows
-    ``no_logp_grad`` in g only and rows ``no_entropy_grad`` in ge only (either index, list or slice)."""
+    ``no_logp_grad`` in g only and rows ``no_entropy_grad`` in ge only (each a sequence of row indices or a
+    slice)."""
     g = torch.randn(n, generator=generator, dtype=dtype)
     ge = torch.randn(n, generator=generator, dtype=dtype)
     for rows, targets in ((dead, (g, ge)), (no_logp_grad, (g,)), (no_entropy_grad, (ge,))):
@@ -119,6 +120,8 @@ def loss_inputs(batch: int, seq: int, hidden_size: int, vocab: int, *, seed: int
     log-probs, e.g. ``grpo_fast.reference.logprobs_reference``, run without grad on the values as drawn), for
     importance ratios near 1 of which some clip. ``bias`` and ``sampling_ratio`` are keys only when drawn.
     """
+    if sampling not in (None, "token", "sequence"):
+        raise ValueError(f"loss_inputs: sampling must be None, 'token' or 'sequence', got {sampling!r}")
     g = torch.Generator(device=device).manual_seed(seed)
     fkw = dict(generator=g, device=device, dtype=draw_dtype)
     hidden, weight, bias, target_ids = head_inputs((batch, seq), hidden_size, vocab, g, device=device,
@@ -142,7 +145,5 @@ def loss_inputs(batch: int, seq: int, hidden_size: int, vocab: int, *, seed: int
     for name in ("old_logps", "ref_logps") if old_logps else ("ref_logps",):
         x[name] = (center + logps_noise * torch.randn(batch, seq, **fkw)).float()
     if sampling is not None:
-        if sampling not in ("token", "sequence"):
-            raise ValueError(f"loss_inputs: sampling must be None, 'token' or 'sequence', got {sampling!r}")
         x["sampling_ratio"] = (torch.rand(batch, seq if sampling == "token" else 1, **fkw).float() + 0.5)
     return x

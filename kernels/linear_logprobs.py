@@ -309,7 +309,7 @@ class RowVectors:
 # ------------------------------------------------------------------------------------------------ launchers
 def stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the forward's ``[N]`` outputs: float32 whatever the inputs' (the contract of
-    ``grpo_fast.logprobs_torch``)."""
+    ``grpo_fast.logprob_contract``)."""
     return torch.float32
 
 
@@ -379,8 +379,13 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tenso
     need_hidden, need_weight, need_bias = grads.need_hidden, grads.need_weight, grads.need_bias
     g = None if grads.g is None else grads.g.float().contiguous()
     ge = None if grads.ge is None else grads.ge.float().contiguous()
+    if every_row and rows is not None:
+        raise ValueError(f"linear_logprobs.backward: rows and every_row=True exclude each other, got rows of shape "
+                         f"{tuple(rows.shape)} and every_row=True")
     if every_row:
         rows = None
+    elif rows is None and g is None and ge is None:  # no upstream gradient at all: no row to walk
+        rows = torch.empty(0, dtype=torch.long, device=hidden.device)
     elif rows is None:
         rows = active_rows(g, ge)
     m, log_s, entropy = grads.saved.m, grads.saved.log_s, grads.saved.entropy
@@ -397,14 +402,14 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tenso
                 plan.torch_op("zero", t.zero_, reads=(), writes=(t,))
         return gh, gw, None if gb is None else gb.to(bias.dtype)
 
-    every_row = RowVectors(target_ids, m, log_s, entropy if ge is not None else None, g, ge)
+    all_vectors = RowVectors(target_ids, m, log_s, entropy if ge is not None else None, g, ge)
     layout = backward_layout(n, active, h, v, elem, budget, gathered=rows is not None, need_hidden=need_hidden,
-                             need_weight=need_weight, vector_bytes=every_row.row_bytes())
+                             need_weight=need_weight, vector_bytes=all_vectors.row_bytes())
     rows = rows if layout.gathered else None
     # the walked rows' vectors, gathered once (temporaries), and their hidden rows (grad_hidden's first rows)
-    walked, h_rows = every_row, hidden
+    walked, h_rows = all_vectors, hidden
     if rows is not None:
-        walked = every_row.gather(plan, rows)
+        walked = all_vectors.gather(plan, rows)
         h_rows = gh[:layout.rows] if gh is not None else plan.scratch((layout.rows, h), dtype, dev)
         plan.torch_op("gather rows", lambda: torch.index_select(hidden, 0, rows, out=h_rows), reads=(hidden,),
                       writes=(h_rows,))
@@ -413,17 +418,17 @@ def backward(hidden: torch.Tensor, weight: torch.Tensor, target_ids: torch.Tenso
                      layout.rows, n, len(layout.walk.stripes))
         _stripe_walk(plan, layout.walk, gh, gb, h_rows, weight, bias, walked, rows, params)
     else:
-        _vocab_walk(plan, layout.walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, every_row, rows, params)
+        _vocab_walk(plan, layout.walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, all_vectors, rows, params)
     if rows is not None:
         walked.release(plan)
     return gh, gw, None if gb is None else gb.to(bias.dtype)
 
 
-def _vocab_walk(plan, walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, every_row, rows, params):
+def _vocab_walk(plan, walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, all_vectors, rows, params):
     """The backward with a weight gradient, along ``walk`` (a ``VocabWalk``): per chunk a recomputed logits GEMM,
     ``dz`` in place, its d weight (one GEMM over the walked rows ``h_rows``) and its share of the fp32 d-hidden
     accumulator; then the accumulator cast into grad_hidden and the tail's d weight recomputed over every row.
-    ``walked``: the walked rows' vectors; ``every_row``: every row's; ``rows``: the gathered rows' indices or None."""
+    ``walked``: the walked rows' vectors; ``all_vectors``: every row's; ``rows``: the gathered rows' indices or None."""
     n, h = hidden.shape
     a, v = h_rows.shape[0], weight.shape[0]
     dev, dtype = hidden.device, hidden.dtype
@@ -473,7 +478,7 @@ def _vocab_walk(plan, walk, gh, gw, gb, hidden, h_rows, weight, bias, walked, ev
         buf = plan.scratch((n, walk.recompute_chunk), dtype, dev)
         for c0, c1 in walk.recompute:
             z = buf.view(-1)[: n * (c1 - c0)].view(n, c1 - c0)
-            _dlogits(plan, z, hidden, weight, bias, every_row, c0, c1, params)
+            _dlogits(plan, z, hidden, weight, bias, all_vectors, c0, c1, params)
             plan.gemm("d weight", z.t(), hidden, gw[c0:c1])
         plan.release(buf)
 

@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import enum
 import os
+import sys
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -435,26 +436,45 @@ def describe(n: int, h: int, v: int, elem: int, budget: int, *, active: int | No
 DESCRIPTION = "Print the log-prob launchers' memory plan for a shape: where each temporary and accumulator lives."
 
 
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0 or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a positive {'integer' if kind is int else 'number'}, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``grpo-fast layout`` (``grpo_fast.cli``)."""
-    p.add_argument("n", type=int, help="tokens (rows of hidden)")
-    p.add_argument("h", type=int, help="hidden size")
-    p.add_argument("v", type=int, help="vocabulary size")
-    p.add_argument("--elem", type=int, default=2, help="bytes per input element (default 2: bf16/fp16)")
-    p.add_argument("--budget-mib", type=float, default=DEFAULT_SCRATCH_MIB,
+    p.add_argument("n", type=_positive(int), help="tokens (rows of hidden)")
+    p.add_argument("h", type=_positive(int), help="hidden size")
+    p.add_argument("v", type=_positive(int), help="vocabulary size")
+    p.add_argument("--elem", type=int, default=2, choices=(2, 4),
+                   help="bytes per input element: 2 for bf16/fp16 (default), 4 for fp32")
+    p.add_argument("--budget-mib", type=_positive(float), default=DEFAULT_SCRATCH_MIB,
                    help=f"the temporaries budget (default {DEFAULT_SCRATCH_MIB}, what GRPO_FAST_SCRATCH_MIB sets)")
-    p.add_argument("--active", type=int, default=None, help="rows with an upstream gradient (default: all)")
+    p.add_argument("--active", type=int, default=None,
+                   help="rows with an upstream gradient, 0 to N (default: all); fewer than N are gathered")
     p.add_argument("--frozen-head", action="store_true", help="no d weight (row stripes)")
-    p.add_argument("--splits", type=int, default=1, help="the forward's column splits (the launcher's choice)")
+    p.add_argument("--splits", type=_positive(int), default=1,
+                   help="the forward's column splits (the launcher's choice; default 1)")
 
 
-def run(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``grpo-fast layout``: the plan of ``ns`` (from ``add_arguments``' options) printed; ``parser`` reports what
+    the options' types cannot check alone."""
+    if ns.active is not None and not 0 <= ns.active <= ns.n:
+        parser.error(f"argument --active: expected 0 to N={ns.n} rows, got {ns.active}")
     print(describe(ns.n, ns.h, ns.v, ns.elem, int(ns.budget_mib * 2**20), active=ns.active,
                    need_weight=not ns.frozen_head, splits=ns.splits))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="grpo-fast layout", description=DESCRIPTION)
-    add_arguments(p)
-    return run(p.parse_args(argv))
+if __name__ == "__main__":  # the package imports this module first, so runpy would warn: the command is the CLI's
+    print("the memory plan is printed by `grpo-fast layout N H V` (see `grpo-fast layout --help`)", file=sys.stderr)
+    raise SystemExit(2)

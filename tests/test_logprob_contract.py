@@ -33,11 +33,30 @@ def test_params_hold_one_type_per_option():
 
 
 def test_params_to_json_traces_under_compile():
-    @torch.compile(fullgraph=True, backend="eager")
-    def key(x, temperature):
-        return x * len(LogprobParams(temperature, 30.0, True).to_json())
+    """Made inside compiled code (as ``fused_logprobs`` makes it) from the options a compiled step closes over: each
+    temperature gives its own exact string, with no graph break. (A recompile that turns a changed float into a
+    symbolic one breaks the graph here, as the input checks of ``fused_logprobs`` already did.)"""
+    for temperature in (0.7, 0.9, 1.0 / 3.0):
+        torch._dynamo.reset()
 
-    assert key(torch.ones(1), 0.7).item() == len(LogprobParams(0.7, 30.0, True).to_json())
+        @torch.compile(fullgraph=True, backend="eager")
+        def key(x):
+            return x + 1, LogprobParams(temperature, 30.0, True).to_json()
+
+        assert key(torch.ones(1))[1] == LogprobParams(temperature, 30.0, True).to_json()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", 0.0, "temperature must be a finite number > 0, got 0.0"),
+    ("temperature", float("inf"), "temperature must be a finite number > 0, got inf"),
+    ("softcap", float("nan"), "softcap must be a finite number > 0, got nan"),
+    ("vocab_chunk", 0, "vocab_chunk must be a positive integer or None, got 0"),
+])
+def test_params_refuse_what_their_json_cannot_carry(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        LogprobParams(**{field: value})
+    with pytest.raises(TypeError):
+        LogprobParams(token_chunk=2.5)  # not an integer
 
 
 def test_an_entropy_gradient_needs_the_saved_entropy():
@@ -66,10 +85,10 @@ def test_both_backends_implement_the_same_signatures():
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_a_backend_returns_what_the_backward_inputs_ask_for(impl):
     """Called directly (no custom op): the forward's statistics feed the backward, which returns None for every
-    gradient not asked for and, for the rest, values within the tolerance rule of the torch backend run in float64
-    (itself held to the float64 reference in test_logprobs_torch)."""
+    gradient not asked for and, for the rest, the float64 reference's within the tolerance rule."""
     from grpo_fast.dispatch import triton_interpreting
     from grpo_fast.ops import logprob_backend
+    from grpo_fast.reference import logprobs_reference
     from grpo_fast.testing import assert_close_rule, head_inputs
 
     if impl == "triton" and not (torch.cuda.is_available() or triton_interpreting()):
@@ -79,19 +98,24 @@ def test_a_backend_returns_what_the_backward_inputs_ask_for(impl):
     head = head_inputs((9,), 16, 70, gen, draw_dtype=torch.float64, bias_scale=0.5)
     g, ge = upstream_grads(9, gen, dead=[4], no_logp_grad=[1], no_entropy_grad=[2])
     params = LogprobParams(0.8, 5.0, True)
+    targets = head[3].to(device)
 
-    def run(name, dtype, need):
-        backend = logprob_backend(name)
+    def ours(dtype, need):
+        backend = logprob_backend(impl)
         hidden, weight, bias = (x.to(device, dtype) for x in head[:3])
-        targets = head[3].to(device)
         logp, ent, m, log_s = backend.forward(hidden, weight, targets, bias, params)
         grads = BackwardInputs(SavedStats(m, log_s, ent), g.to(device, m.dtype), ge.to(device, m.dtype), *need)
         return [logp, ent, *backend.backward(hidden, weight, targets, bias, params, grads)]
 
+    def reference(dtype, need):
+        leaves = [x.to(device, dtype, copy=True).requires_grad_(want) for x, want in zip(head[:3], need)]
+        logp, ent = logprobs_reference(*leaves[:2], targets, leaves[2], 0.8, 5.0, True)
+        ((logp * g.to(device, logp.dtype)).sum() + (ent * ge.to(device, ent.dtype)).sum()).backward()
+        return [logp.detach(), ent.detach(), *(x.grad for x in leaves)]
+
     for need in ((True, True, True), (False, True, False), (True, False, True)):
-        out, pt = run(impl, torch.float32, need), run("torch", torch.float32, need)
-        ref = run("torch", torch.float64, need)
+        out = ours(torch.float32, need)
         assert [x is not None for x in out[2:]] == list(need)
+        pt, ref = reference(torch.float32, need), reference(torch.float64, need)
         for name, a, b, c in zip(("logp", "entropy", "d hidden", "d weight", "d bias"), out, pt, ref):
-            assert_close_rule(None if a is None else a.cpu(), None if b is None else b.cpu(),
-                              None if c is None else c.cpu(), torch.float32, name)
+            assert_close_rule(*(None if x is None else x.cpu() for x in (a, b, c)), torch.float32, name)

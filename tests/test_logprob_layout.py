@@ -197,23 +197,29 @@ def test_backward_layout_gathers_within_the_budget():
 
 @pytest.mark.parametrize("argv", [[], ["--frozen-head"]])
 def test_the_docstring_example_is_the_planners_output(capsys, argv):
-    """The module docstring's maps are what ``grpo-fast layout 16384 4096 151936``
-    prints (with ``--frozen-head`` for the second)."""
-    assert lay.main(["16384", "4096", "151936", *argv]) == 0
+    """The module docstring's maps are what ``grpo-fast layout 16384 4096 151936`` prints (with ``--frozen-head``
+    for the second)."""
+    from grpo_fast import cli
+
+    assert cli.main(["layout", "16384", "4096", "151936", *argv]) == 0
     text = capsys.readouterr().out
     assert "\n".join("    " + line for line in text.splitlines()) in lay.__doc__
 
 
-def test_grpo_fast_layout_prints_the_plan(capsys):
-    """``grpo-fast layout`` is the command the docstring names; a gathered walk moving its rows in one step says so."""
+def test_grpo_fast_layout_prints_the_plan_and_checks_its_arguments(capsys):
+    """A gathered walk moving its rows in one step says so; bad sizes are refused naming the argument."""
     from grpo_fast import cli
 
-    assert cli.main(["layout", "16384", "4096", "151936"]) == 0
     assert cli.main(["layout", "1000", "64", "5000", "--active", "300"]) == 0
-    ours, small = capsys.readouterr().out.split("forward:")[1:]
-    assert lay.main(["16384", "4096", "151936"]) == 0
-    assert "forward:" + ours == capsys.readouterr().out
+    small = capsys.readouterr().out
     assert "300 gathered hidden rows" in small and "moves to its row, all at once" in small
+    for argv, message in ((["0", "64", "5000"], "argument n: expected a positive integer, got '0'"),
+                          (["10", "64", "5000", "--active", "11"], "--active: expected 0 to N=10 rows, got 11"),
+                          (["10", "64", "5000", "--budget-mib", "nan"], "expected a positive number, got 'nan'"),
+                          (["10", "64", "5000", "--elem", "3"], "argument --elem: invalid choice: 3")):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["layout", *argv])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, argv
 
 
 # ------------------------------------------------------------------------------------------------ the plans, pinned

@@ -14,7 +14,7 @@ from grpo_fast import fused_logprobs
 from grpo_fast.dispatch import triton_interpreting
 from grpo_fast.kernels import linear_logprobs as ll
 from grpo_fast.kernels.launch import Target, capture
-from grpo_fast.kernels.logprob_layout import DEFAULT_SCRATCH_MIB, AccHome, backward_layout
+from grpo_fast.kernels.logprob_layout import DEFAULT_SCRATCH_BYTES, AccHome, backward_layout
 from grpo_fast.kernels.plan import Plan
 from grpo_fast.logprob_contract import BackwardInputs, LogprobParams, SavedStats
 from grpo_fast.testing import assert_close_rule, head_inputs, upstream_grads
@@ -133,7 +133,7 @@ def test_temporaries_stay_within_the_budget_at_gpu_sizes(n, h, v, dtype):
     64 MiB at GPU sizes, the fp32 d-hidden accumulator included; launches come per vocabulary chunk, never per row
     block."""
     meta = lambda *s, dt=dtype: torch.empty(*s, dtype=dt, device="meta")  # noqa: E731
-    budget = DEFAULT_SCRATCH_MIB * 2**20
+    budget = DEFAULT_SCRATCH_BYTES
     fwd, bwd = Plan(), Plan()
     with capture(Target("cuda", 90, 32), sms=132):
         block_n = ll.tile_config(torch.device("meta"), n).block_n
@@ -162,9 +162,9 @@ def test_frozen_lm_head_backward_stays_within_the_budget(dtype):
     bwd = Plan()
     with capture(Target("cuda", 90, 32), sms=132):
         ll.backward(meta(n, h), meta(v, h), meta(n, dt=torch.int64), None,
-                    LogprobParams(budget=DEFAULT_SCRATCH_MIB * 2**20), _frozen_head(meta(n, dt=torch.float32)),
+                    LogprobParams(budget=DEFAULT_SCRATCH_BYTES), _frozen_head(meta(n, dt=torch.float32)),
                     every_row=True, plan=bwd)
-    assert bwd.peak_bytes <= DEFAULT_SCRATCH_MIB * 2**20
+    assert bwd.peak_bytes <= DEFAULT_SCRATCH_BYTES
     assert bwd.flops == 4 * n * h * v
 
 

@@ -84,7 +84,7 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     fig, axes = plt.subplots(1, 2 if has_kl else 1, figsize=(10 if has_kl else 6, 3.6), squeeze=False)
     ax = axes[0][0]
     ax.plot(x, [s["reward"] for s in steps], lw=0.8, alpha=0.4, label="reward (step mean)")
-    ax.plot(x, _smooth([s["reward"] for s in steps]), lw=2, label="reward (moving average)")
+    ax.plot(x, smooth([s["reward"] for s in steps]), lw=2, label="reward (moving average)")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.grid(alpha=0.3)
@@ -104,7 +104,7 @@ def plot_metrics(metrics_path: Path, png_path: Path) -> Path | None:
     return Path(png_path)
 
 
-def _smooth(values: list[float], window: int = 20) -> list[float]:
+def smooth(values: list[float], window: int = 20) -> list[float]:
     out, total = [], 0.0
     for i, v in enumerate(values):
         total += v
