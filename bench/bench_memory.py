@@ -340,6 +340,8 @@ def run_config(name: str, shape: dict, device: str, dtype: str, threads: int, re
     setup.step(phase=lambda _: contextlib.nullcontext())  # warm-up: AdamW's states, lazy initialisation
     timer = PhaseTimer(device, PHASES)
     check = _cross_check_start(device)
+    # the step by time_calls (CUDA events on CUDA), each phase by PhaseTimer (the device synchronised at both ends,
+    # perf_counter): on CUDA the phases' own syncs sit inside the step, so their sum need not equal it exactly
     step_ms = time_calls(lambda: setup.step(phase=timer.phase), device=device, reps=reps)
     result = dict(step_ms=statistics.median(step_ms), phase_ms={p: statistics.median(v) for p, v in timer.ms.items()},
                   **_cross_check_end(device, check))
