@@ -23,12 +23,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import operator
 from dataclasses import dataclass
 
 from torch import Tensor
 
+from grpo_fast.checks import check_positive_scalar
 from grpo_fast.kernels.logprob_layout import scratch_bytes
 
 
@@ -56,12 +56,7 @@ class LogprobParams:
         # one type per option (a softcap of 30 and of 30.0 launch the same kernels; numpy scalars become Python
         # ones), and only values the JSON below carries: finite positive scales, positive sizes
         for name in ("temperature", "softcap"):
-            value = getattr(self, name)
-            if value is None and name == "softcap":
-                continue
-            value = float(value)
-            if not 0.0 < value < math.inf:
-                raise ValueError(f"LogprobParams: {name} must be a finite number > 0, got {getattr(self, name)!r}")
+            value = check_positive_scalar("LogprobParams", name, getattr(self, name), optional=name == "softcap")
             object.__setattr__(self, name, value)
         object.__setattr__(self, "return_entropy", bool(self.return_entropy))
         for name in ("vocab_chunk", "token_chunk", "budget"):
