@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("public API", ("grpo_fast", "grpo_fast.logprobs", "grpo_fast.loss", "grpo_fast.advantages",
                     "grpo_fast.train.forward", "grpo_fast.train.shared_prefix")),
     ("applications", ("grpo_fast.train", "grpo_fast.integrations", "grpo_fast.ppo", "grpo_fast.memory",
-                      "grpo_fast.doctor")),
+                      "grpo_fast.doctor", "grpo_fast.bnb_layout")),
     ("command line", ("grpo_fast.cli", "grpo_fast.__main__")),
 )
 

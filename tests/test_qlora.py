@@ -149,6 +149,196 @@ def test_bf16_compute_dtype(tmp_path):
     assert {p.dtype for p in peft_model.parameters() if p.requires_grad} == {torch.float32}
 
 
+# ------------------------------------------------------------- bitsandbytes' CPU inference layout (AVX512-BF16)
+
+
+def packed_gemv_reference(A, B, out=None, transposed_A=False, transposed_B=False, state=None):
+    """What bitsandbytes' repacked CPU kernel computes, in torch: the nibbles of the ``[N, K/2]`` packed weight back
+    in ``[N, K]`` order, each times its block's bf16 scale, the matmul in bf16. It stands in for the kernel on a CPU
+    without AVX512-BF16, where the kernel would stop the process (an illegal instruction)."""
+    n, k = state.shape
+    p = B.reshape(-1, 32)
+    nibbles = torch.cat([p & 0xF, p >> 4], -1).reshape(n // 32, k // 2, 32, 2).transpose(1, 2).reshape(n, k)
+    scales = state.absmax.T.float().repeat_interleave(state.blocksize, dim=1)  # packed: [K / blocksize, N] bf16
+    weight = (state.code.float()[nibbles.long()] * scales).to(torch.bfloat16)
+    result = (A.to(torch.bfloat16) @ weight.T).to(A.dtype)
+    if out is not None:
+        out.copy_(result)
+        return out
+    return result
+
+
+@pytest.fixture
+def avx512bf16_cpu(monkeypatch):
+    """This CPU as one with AVX512-BF16 to bitsandbytes and grpo-fast: layers built from here on switch on their
+    repacking, and where the CPU lacks the instruction the repacked kernel is its torch equivalent."""
+    import bitsandbytes.functional as bnb_functional
+    import bitsandbytes.nn.modules as bnb_modules
+
+    from grpo_fast import bnb_layout
+
+    if not bnb_layout.cpu_has_avx512bf16():
+        monkeypatch.setattr(bnb_functional, "gemv_4bit", packed_gemv_reference)
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: True)
+    monkeypatch.setattr(bnb_layout, "cpu_has_avx512bf16", lambda: True)
+
+
+def _layout_bytes(model) -> list:
+    """Every 4-bit layer's weight bytes and quantization state, to compare bit for bit."""
+    from grpo_fast.bnb_layout import linear4bit_layers
+
+    out = []
+    for layer in linear4bit_layers(model):
+        state = layer.weight.quant_state.as_dict(packed=True)
+        out.append((layer.weight.data.dtype, layer.weight.data.view(torch.uint8).clone(),
+                    {k: v.view(torch.uint8).clone() if torch.is_tensor(v) else v for k, v in state.items()}))
+    return out
+
+
+@pytest.mark.skipif(not __import__("grpo_fast.bnb_layout").bnb_layout.cpu_has_avx512bf16(),
+                    reason="bitsandbytes' repacked CPU kernel needs the avx512_bf16 CPU flag, which this CPU lacks "
+                           "(the tests with avx512bf16_cpu run its torch equivalent here)")
+def test_packed_kernel_reference_is_the_kernel(tmp_path):
+    """On a CPU that has the kernel, its torch stand-in (used where the CPU has not) computes what it computes."""
+    from grpo_fast.bnb_layout import inference_layout, linear4bit_layers
+
+    model, _ = load_model_and_tokenizer(small_config(tmp_path, **QLORA, dtype="bfloat16"), CPU, torch.bfloat16)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with inference_layout(model):
+        for layer in linear4bit_layers(model):
+            if layer.in_features == 64:
+                want = bnb.functional.gemv_4bit(x, layer.weight.data, state=layer.weight.quant_state)
+                got = packed_gemv_reference(x, layer.weight.data, state=layer.weight.quant_state)
+                assert float((got.float() - want.float()).abs().max()) <= 2 * 2**-8 * float(want.abs().max())
+
+
+def test_the_trainer_never_repacks_by_itself(tmp_path, avx512bf16_cpu):
+    """bitsandbytes repacks a layer in its first eval-mode forward without grad on such a CPU (as a plain
+    from_pretrained model here shows); the trainer's 4-bit model keeps its layout through such a forward."""
+    from transformers import AutoModelForCausalLM
+
+    from grpo_fast.bnb_layout import is_packed, keep_training_layout, linear4bit_layers
+    from grpo_fast.train.model import bnb_4bit_config
+
+    config = small_config(tmp_path, **QLORA, dtype="bfloat16")
+    model, tokenizer = load_model_and_tokenizer(config, CPU, torch.bfloat16)
+    layers = linear4bit_layers(model)
+    assert layers and not any(layer.support_avx512bf16_for_cpu for layer in layers)
+    ids, mask = _batch(tokenizer)
+    with torch.no_grad():
+        _logprobs(model.eval(), ids, mask)
+    assert not any(is_packed(layer) for layer in layers)
+
+    model.save_pretrained(tmp_path / "plain")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", dtype=torch.bfloat16,
+                                                 quantization_config=bnb_4bit_config(config, torch.bfloat16)).eval()
+    with torch.no_grad():
+        _logprobs(plain, ids, mask)
+    assert all(is_packed(layer) for layer in linear4bit_layers(plain))
+    with pytest.raises(ValueError, match=r"^FastGRPOTrainer model: 14 of 14 4-bit layers are already in .*load the "
+                                         r"model again"):
+        keep_training_layout(plain, "FastGRPOTrainer model")
+
+
+def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_cpu, caplog):
+    """A bf16 run generates in the repacked layout (the log says so); afterwards every 4-bit layer holds its
+    weight and scales bit for bit, and a training forward and backward gives the loss and adapter gradients of a
+    twin that never repacked."""
+    from grpo_fast.bnb_layout import is_packed, linear4bit_layers
+    from grpo_fast.train import prepare
+    from grpo_fast.train.rollout import HFEngine, SamplingParams
+
+    config = small_config(tmp_path, **QLORA, dtype="bfloat16")
+    runs = [prepare(config).run for _ in range(2)]
+    before = _layout_bytes(runs[0].model)
+    assert _same(before, _layout_bytes(runs[1].model))
+    ids, mask = _batch(runs[0].tokenizer, n=4)
+    seen = []
+    real_generate = HFEngine.generate
+    with caplog.at_level("INFO", logger="grpo_fast.train"):
+        engine = HFEngine(runs[0])
+    assert engine.packed_4bit
+    assert "4-bit generation layout: repacked for inference (bfloat16 on a CPU with AVX512-BF16" in caplog.text
+
+    def spy(model, *args, **kwargs):
+        seen.append([is_packed(layer) for layer in linear4bit_layers(model)])
+        return generate(model, *args, **kwargs)
+
+    from grpo_fast.train.rollout import generate
+
+    run = runs[0]
+    with torch.no_grad():
+        out = real_generate(engine, ids, mask, 4, SamplingParams(3, 1.0, 1.0, 0), eos_token_id=0,
+                            pad_token_id=run.tokenizer.pad_token_id, seed=0)
+        run.policy(spy, ids, mask, 1, SamplingParams(1, 1.0, 1.0, 0), eos_token_id=0,
+                   pad_token_id=run.tokenizer.pad_token_id)
+    assert out.completion_ids.shape[0] == 16
+    assert seen == [[False] * 14]  # outside the engine's block: the training layout
+    assert _same(_layout_bytes(run.model), before)
+
+    losses, grads = [], []
+    for r in runs:
+        r.model.train()
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = -_logprobs(r.model, ids, mask).sum()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in r.model.named_parameters() if p.requires_grad})
+    assert torch.equal(losses[0], losses[1])
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name in grads[0]:
+        assert grads[0][name] is not None and torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_repacked_generation_restores_after_an_error(tmp_path, avx512bf16_cpu):
+    from grpo_fast.bnb_layout import inference_layout, is_packed, linear4bit_layers
+
+    model, _ = load_model_and_tokenizer(small_config(tmp_path, **QLORA, dtype="bfloat16"), CPU, torch.bfloat16)
+    before = _layout_bytes(model)
+    with pytest.raises(KeyboardInterrupt):
+        with inference_layout(model):
+            assert all(is_packed(layer) for layer in linear4bit_layers(model))
+            raise KeyboardInterrupt
+    assert _same(_layout_bytes(model), before)
+
+
+def test_float32_runs_generate_in_the_training_layout(tmp_path, avx512bf16_cpu):
+    """The repacked kernel computes in bf16: a float32 run keeps sampling from the policy it trains."""
+    from grpo_fast.bnb_layout import packed_generation
+
+    model, _ = load_model_and_tokenizer(small_config(tmp_path, **QLORA), CPU, torch.float32)
+    assert packed_generation(model, CPU, torch.float32) == (
+        False, "the run computes in float32; bitsandbytes' repacked CPU kernel computes in bfloat16, which would "
+               "sample from another policy than the one trained")
+    assert packed_generation(model, CPU, torch.bfloat16)[0]
+    assert packed_generation(model, torch.device("meta"), torch.bfloat16)[0] is False
+
+
+def test_repacked_bf16_run_resumes_and_merges_exactly(tmp_path, avx512bf16_cpu):
+    """A bf16 4-bit run whose generations run repacked: resumed after 2 of 4 steps it ends bit for bit where the
+    straight run ends, and --merge-lora at the end writes what a fresh bf16 load of the base with the last
+    checkpoint's adapters merges to (its 4-bit weights came back intact from every generation)."""
+    from safetensors.torch import load_file
+
+    from grpo_fast.train.model import load_trained_state
+
+    options = dict(**QLORA, dtype="bfloat16", optim="adamw_8bit", save_every=2, keep_checkpoints=0)
+    config = small_config(tmp_path / "straight", **options, merge_lora=True)
+    train(config)
+    train(small_config(tmp_path / "resumed", **dict(options, steps=2)))
+    train(small_config(tmp_path / "resumed", **options, resume=True))
+    last = [ckpt.read_state(ckpt.list_checkpoints(tmp_path / name / "run" / "checkpoints")[-1][1])
+            for name in ("straight", "resumed")]
+    assert last[0]["step"] == last[1]["step"] == 4 and _same(last[0]["model"], last[1]["model"])
+    assert _same(last[0]["optimizer"], last[1]["optimizer"])
+    fresh, _ = load_model_and_tokenizer(config, CPU, torch.bfloat16)
+    fresh = attach_lora(fresh, config)
+    load_trained_state(fresh, last[0]["model"], config)
+    want = {k: v.float() for k, v in merge_4bit_lora(fresh).state_dict().items()}
+    got = load_file(tmp_path / "straight" / "run" / "model" / "model.safetensors")
+    assert set(got) <= set(want) and all(torch.equal(got[k], want[k]) for k in got)
+
+
 # --------------------------------------------------------------------------------------------- training
 
 

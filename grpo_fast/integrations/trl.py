@@ -46,6 +46,7 @@ from packaging.version import Version
 from grpo_fast.config import GRPOLossConfig, LossType
 from grpo_fast.logprobs import fused_logprobs
 from grpo_fast.loss import grpo_loss, grpo_loss_from_logps, micro_batch_scale
+from grpo_fast.bnb_layout import keep_training_layout
 
 MIN_TRL = "1.16"
 if Version(trl.__version__) < Version(MIN_TRL):
@@ -98,6 +99,8 @@ class FastGRPOTrainer(GRPOTrainer):
             _refuse(_config_refusals(config))
         super().__init__(*args, **kwargs)
         _refuse(_config_refusals(self.args) + self._model_refusals())
+        # a 4-bit base never repacks itself for CPU inference (an eval pass would leave it unable to train)
+        keep_training_layout(self.model, "FastGRPOTrainer model")
         self._softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
         self._logit_scale = _logit_scale(self.model.config.get_text_config())
         try:

@@ -28,6 +28,7 @@ import torch
 
 from grpo_fast import fused_logprobs
 from grpo_fast.dtypes import DTYPES
+from grpo_fast.bnb_layout import keep_training_layout
 from grpo_fast.train.checkpoint import check_weights
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.forward import decoder_of, head_of, position_ids_from_mask, unwrap
@@ -198,8 +199,10 @@ def load_4bit(path, config: TrainConfig, device: torch.device, dtype: torch.dtyp
     ``device``."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_4bit_config(config, dtype), dtype=dtype,
-                                                device_map={"": str(device)})
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_4bit_config(config, dtype),
+                                                 dtype=dtype, device_map={"": str(device)})
+    keep_training_layout(model)  # no repacking for CPU inference behind the trainer's back (bnb_layout's docstring)
+    return model
 
 
 def is_4bit(model) -> bool:

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from grpo_fast.train import distributed as dist_
+from grpo_fast.bnb_layout import inference_layout, linear4bit_layers, packed_generation
 from grpo_fast.train.data import render_prompt
 from grpo_fast.train.forward import position_ids_from_mask, unwrap
 from grpo_fast.train.model import autocast
+
+logger = logging.getLogger("grpo_fast.train")
 
 
 @dataclass(frozen=True)
@@ -274,12 +278,19 @@ class HFEngine:
 
     def __init__(self, run):
         self.run = run
+        # a 4-bit base samples in bitsandbytes' CPU inference layout where that is faster and computes what the run
+        # computes (bf16 on an AVX512-BF16 CPU), and trains in its own layout (grpo_fast.bnb_layout)
+        self.packed_4bit, why = packed_generation(unwrap(run.model), run.device, run.dtype)
+        if linear4bit_layers(unwrap(run.model)):
+            logger.info("4-bit generation layout: %s (%s)", "repacked for inference" if self.packed_4bit
+                        else "the training layout", why)
 
     def generate(self, prompt_ids, prompt_mask, group_size: int, params: SamplingParams, *, eos_token_id,
                  pad_token_id: int, seed: int) -> Rollout:
         run = self.run
         generator = torch.Generator(device=run.device).manual_seed(seed)
-        with torch.no_grad(), autocast(run.device, run.dtype):  # no_grad outside DDP's forward: no backward follows
+        with (torch.no_grad(), autocast(run.device, run.dtype),  # no_grad outside DDP's forward: no backward follows
+              inference_layout(unwrap(run.model), self.packed_4bit)):
             return run.policy(generate, prompt_ids, prompt_mask, group_size, params, eos_token_id=eos_token_id,
                               pad_token_id=pad_token_id, generator=generator)
 
