@@ -240,7 +240,7 @@ def test_the_trainer_never_repacks_by_itself(tmp_path, avx512bf16_cpu):
         keep_training_layout(plain, "FastGRPOTrainer model")
 
 
-def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_cpu, caplog):
+def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_cpu, caplog, monkeypatch):
     """A bf16 run generates in the repacked layout (the log says so); afterwards every 4-bit layer holds its
     weight and scales bit for bit, and a training forward and backward gives the loss and adapter gradients of a
     twin that never repacked."""
@@ -253,28 +253,27 @@ def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_
     before = _layout_bytes(runs[0].model)
     assert _same(before, _layout_bytes(runs[1].model))
     ids, mask = _batch(runs[0].tokenizer, n=4)
-    seen = []
-    real_generate = HFEngine.generate
+    monkeypatch.setattr("grpo_fast.train.rollout._LOGGED", set())  # said once per process
     with caplog.at_level("INFO", logger="grpo_fast.train"):
         engine = HFEngine(runs[0])
     assert engine.packed_4bit
     assert "4-bit generation layout: repacked for inference (bfloat16 on a CPU with AVX512-BF16" in caplog.text
 
-    def spy(model, *args, **kwargs):
+    from grpo_fast.train import rollout
+
+    seen = []
+
+    def spy(model, *args, **kwargs):  # the layout while the engine samples
         seen.append([is_packed(layer) for layer in linear4bit_layers(model)])
         return generate(model, *args, **kwargs)
 
-    from grpo_fast.train.rollout import generate
-
-    run = runs[0]
-    with torch.no_grad():
-        out = real_generate(engine, ids, mask, 4, SamplingParams(3, 1.0, 1.0, 0), eos_token_id=0,
-                            pad_token_id=run.tokenizer.pad_token_id, seed=0)
-        run.policy(spy, ids, mask, 1, SamplingParams(1, 1.0, 1.0, 0), eos_token_id=0,
-                   pad_token_id=run.tokenizer.pad_token_id)
+    generate = rollout.generate
+    monkeypatch.setattr(rollout, "generate", spy)
+    out = engine.generate(ids, mask, 4, SamplingParams(3, 1.0, 1.0, 0), eos_token_id=0,
+                          pad_token_id=runs[0].tokenizer.pad_token_id, seed=0)
     assert out.completion_ids.shape[0] == 16
-    assert seen == [[False] * 14]  # outside the engine's block: the training layout
-    assert _same(_layout_bytes(run.model), before)
+    assert seen == [[True] * 14]
+    assert _same(_layout_bytes(runs[0].model), before)
 
     losses, grads = [], []
     for r in runs:
@@ -312,6 +311,28 @@ def test_float32_runs_generate_in_the_training_layout(tmp_path, avx512bf16_cpu):
                "sample from another policy than the one trained")
     assert packed_generation(model, CPU, torch.bfloat16)[0]
     assert packed_generation(model, torch.device("meta"), torch.bfloat16)[0] is False
+
+
+def test_repacked_bf16_run_of_a_qwen2_with_attention_biases(tmp_path, avx512bf16_cpu):
+    """A saved Qwen2 with q/k/v biases (bitsandbytes' repacked path adds a bias in place, which failed in training)
+    trains with 8-bit AdamW from its save_pretrained directory, generations repacked."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+                         eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config)
+    assert model.model.layers[0].self_attn.q_proj.bias is not None
+    model.save_pretrained(tmp_path / "qwen2-bias")
+    tokenizer.save_pretrained(tmp_path / "qwen2-bias")
+    summary = train(small_config(tmp_path, **QLORA, model=str(tmp_path / "qwen2-bias"), dtype="bfloat16",
+                                 optim="adamw_8bit", steps=2))
+    steps = read_steps(tmp_path / "run" / "metrics.jsonl")
+    assert len(steps) == 2 and summary.skipped_updates == 0
+    assert all(torch.isfinite(torch.tensor(s["loss"])) for s in steps)
 
 
 def test_repacked_bf16_run_resumes_and_merges_exactly(tmp_path, avx512bf16_cpu):

@@ -55,12 +55,13 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
     chunk = max(1, run.config.micro_batch_size // samples)  # prompts per generation call
     # every rank makes the same number of generation calls (FSDP2 gathers weights in each); surplus calls are empty
     calls = math.ceil(math.ceil(len(run.eval_records) / world.size) / chunk)
+    engine = HFEngine(run)
     for i in range(calls):
         part = mine[i * chunk : (i + 1) * chunk]
         # a surplus call generates, unscored; sampling seeds differ per call and rank
         # always on the policy itself (hf): held-out scores compare across rollout engines
         _, completions = rollout(run, part or run.eval_records[:1], samples, params,
-                                 first_chunk=world.rank * calls + i, engine=HFEngine(run))
+                                 first_chunk=world.rank * calls + i, engine=engine)
         if part:
             per_function = score(run, part, completions, samples)
             rewards = weighted_reward(run, per_function)

@@ -20,6 +20,7 @@ from grpo_fast.train.forward import position_ids_from_mask, unwrap
 from grpo_fast.train.model import autocast
 
 logger = logging.getLogger("grpo_fast.train")
+_LOGGED: set[str] = set()  # what this process has said once
 
 
 @dataclass(frozen=True)
@@ -281,9 +282,10 @@ class HFEngine:
         # a 4-bit base samples in bitsandbytes' CPU inference layout where that is faster and computes what the run
         # computes (bf16 on an AVX512-BF16 CPU), and trains in its own layout (grpo_fast.bnb_layout)
         self.packed_4bit, why = packed_generation(unwrap(run.model), run.device, run.dtype)
-        if linear4bit_layers(unwrap(run.model)):
-            logger.info("4-bit generation layout: %s (%s)", "repacked for inference" if self.packed_4bit
-                        else "the training layout", why)
+        message = f"4-bit generation layout: {'repacked for inference' if self.packed_4bit else 'the training layout'}"
+        if linear4bit_layers(unwrap(run.model)) and message not in _LOGGED:
+            _LOGGED.add(message)
+            logger.info("%s (%s)", message, why)
 
     def generate(self, prompt_ids, prompt_mask, group_size: int, params: SamplingParams, *, eos_token_id,
                  pad_token_id: int, seed: int) -> Rollout:
