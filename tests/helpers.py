@@ -41,3 +41,14 @@ def as_leaves(batch: dict, dtype: torch.dtype, names=("hidden", "weight", "bias"
 def to_float64(batch: dict) -> dict:
     """Every float tensor of ``batch`` in float64 (the oracle's inputs)."""
     return {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def cpu_flags_note(*flags: str) -> str:
+    """Which of ``flags`` (``/proc/cpuinfo`` names) this CPU has, for a skip reason that says which flag decided:
+    ``"avx512_bf16: yes, amx_bf16: no"`` ("unknown" where /proc/cpuinfo cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            have = next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return ", ".join(f"{flag}: unknown" for flag in flags)
+    return ", ".join(f"{flag}: {'yes' if flag in have else 'no'}" for flag in flags)

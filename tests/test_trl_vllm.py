@@ -33,6 +33,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import cpu_flags_note
 
 vllm = pytest.importorskip("vllm")
 trl = pytest.importorskip("trl")
@@ -153,7 +154,9 @@ def trained(request, monkeypatch, tmp_path):
                   and mod.weight.numel() == 0]
         if packed:
             pytest.skip(f"vLLM's CPU GEMM dispatch packed the weights of {packed}: TRL's per-parameter "
-                        "load_weights cannot write them")
+                        "load_weights cannot write them. It packs bfloat16 weights where oneDNN has a bfloat16 "
+                        f"matmul (this CPU: {cpu_flags_note('avx512f', 'avx512_bf16', 'amx_bf16')}); grpo-fast's "
+                        "own engine syncs through reload_weights (tests/test_vllm_train.py)")
         trainer.train()
         yield trainer, snapshots.params, [str(w.message) for w in caught], initial
     finally:
