@@ -6,8 +6,8 @@
 Per model (``--models``: ``tiny``, the default run's 2-layer H=64 Qwen2; ``50m``, bench_qlora's 12-layer H=512 Qwen2,
 V=32,000) and compute dtype (bfloat16, float32): the model is loaded as ``grpo-fast train --load-in-4bit`` loads it
 (NF4, double quantization; ``grpo_fast.train.model.load_4bit``), then grpo-fast's sampler (``rollout.generate``)
-draws ``--group-size`` completions of exactly ``--new-tokens`` tokens for each of ``--prompts`` random prompts of
-``--prompt-len`` tokens, once in the training layout and once inside ``grpo_fast.bnb_layout.inference_layout`` (the
+draws completions of exactly ``--new-tokens`` tokens for random prompts of ``--prompt-len`` tokens (``--batches``:
+prompts x group size, 1x8, 8x8 and 16x8 by default), once in the training layout and once inside ``grpo_fast.bnb_layout.inference_layout`` (the
 repacking and the exact restore included in the time). ``switch_ms`` is the repacking and restore alone. One
 warm-up, then ``--reps`` timed generations; the median. The trainer uses the repacked layout for bf16 runs only: in a
 float32 run the repacked kernel would compute in bf16 (its float32 row is here to show what that would gain).
@@ -44,23 +44,23 @@ def save_model(name: str, directory: str) -> int:
     return config.vocab_size
 
 
-def time_generation(model, vocab: int, args, repacked: bool) -> float:
-    """Median ms of one generation of ``--prompts`` x ``--group-size`` rows."""
+def time_generation(model, vocab: int, args, prompts: int, group_size: int, repacked: bool) -> float:
+    """Median ms of one generation of ``prompts`` x ``group_size`` rows."""
     from grpo_fast.bnb_layout import inference_layout
     from grpo_fast.train.rollout import SamplingParams, generate
 
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (args.prompts, args.prompt_len), generator=gen)
+    ids = torch.randint(0, vocab, (prompts, args.prompt_len), generator=gen)
     mask = torch.ones_like(ids)
     params = SamplingParams(args.new_tokens, 1.0, 1.0, 0)
     times = []
     for _ in range(1 + args.reps):
         start = time.perf_counter()
         with torch.no_grad(), inference_layout(model, repacked):
-            out = generate(model, ids, mask, args.group_size, params, eos_token_id=vocab,  # never sampled
+            out = generate(model, ids, mask, group_size, params, eos_token_id=vocab,  # never sampled
                            pad_token_id=0, generator=gen)
         times.append((time.perf_counter() - start) * 1e3)
-        assert out.completion_ids.shape == (args.prompts * args.group_size, args.new_tokens)
+        assert out.completion_ids.shape == (prompts * group_size, args.new_tokens)
     return statistics.median(times[1:])
 
 
@@ -82,8 +82,8 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])
-    p.add_argument("--prompts", type=int, default=8)
-    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--batches", nargs="+", default=["1x8", "8x8", "16x8"],
+                   help="prompts x group size of each generation measured (default: %(default)s)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=3)
@@ -105,23 +105,26 @@ def main(argv=None) -> None:
             for dtype_name in args.dtypes:
                 dtype = getattr(torch, dtype_name)
                 model = load_4bit(tmp, config, torch.device("cpu"), dtype).eval()
-                env = harness.env_fields(torch.device("cpu"))
-                tokens = args.prompts * args.group_size * args.new_tokens
-                plain = time_generation(model, vocab, args, repacked=False)
-                repacked = time_generation(model, vocab, args, repacked=True)
                 switch = time_switch(model, args.reps)
-                row = rows.add({
-                    "model": name, "dtype": dtype_name, "rows": args.prompts * args.group_size,
-                    "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                    "training_layout_ms": round(plain, 1), "repacked_ms": round(repacked, 1),
-                    "switch_ms": round(switch, 1),
-                    "training_layout_tok_s": round(tokens / plain * 1e3, 1),
-                    "repacked_tok_s": round(tokens / repacked * 1e3, 1),
-                    "speedup": round(plain / repacked, 2),
-                    "trainer_uses_repacked": dtype == torch.bfloat16, **env,
-                })
-                print(f"{name} {dtype_name}: training layout {row['training_layout_tok_s']} tok/s, repacked "
-                      f"{row['repacked_tok_s']} tok/s (x{row['speedup']}, switch {row['switch_ms']} ms)", flush=True)
+                for batch in args.batches:
+                    prompts, group_size = map(int, batch.split("x"))
+                    env = harness.env_fields(torch.device("cpu"))
+                    tokens = prompts * group_size * args.new_tokens
+                    plain = time_generation(model, vocab, args, prompts, group_size, repacked=False)
+                    repacked = time_generation(model, vocab, args, prompts, group_size, repacked=True)
+                    row = rows.add({
+                        "model": name, "dtype": dtype_name, "prompts": prompts, "group_size": group_size,
+                        "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                        "training_layout_ms": round(plain, 1), "repacked_ms": round(repacked, 1),
+                        "switch_ms": round(switch, 1),
+                        "training_layout_tok_s": round(tokens / plain * 1e3, 1),
+                        "repacked_tok_s": round(tokens / repacked * 1e3, 1),
+                        "speedup": round(plain / repacked, 2),
+                        "trainer_uses_repacked": dtype == torch.bfloat16, **env,
+                    })
+                    print(f"{name} {dtype_name} {batch}: training layout {row['training_layout_tok_s']} tok/s, "
+                          f"repacked {row['repacked_tok_s']} tok/s (x{row['speedup']}, switch {row['switch_ms']} "
+                          "ms)", flush=True)
     print(f"wrote {rows.path}")
 
 
