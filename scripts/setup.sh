@@ -19,6 +19,14 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"
+if [ "$LOCK" != none ]; then  # a lock resolves for one Python: another one may need other packages or versions
+  LOCKED_PY=$(sed -n 's/^# Made .* with Python \([0-9]*\.[0-9]*\)\..*/\1/p' "$LOCK")
+  HERE_PY=$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+  if [ -n "$LOCKED_PY" ] && [ "$LOCKED_PY" != "$HERE_PY" ]; then
+    echo "setup: $LOCK was made with Python $LOCKED_PY and this venv has $HERE_PY; if the install or its check fails," \
+         "run with GRPO_FAST_LOCK=none (pyproject's ranges) or make a lock for $HERE_PY: python scripts/lock.py cpu" >&2
+  fi
+fi
 $PIP install -q --upgrade pip "${CONSTRAINTS[@]}"
 if [ "$PLATFORM" = cuda ]; then
   $PIP install -q -e ".[dev,vllm]" "${CONSTRAINTS[@]}"

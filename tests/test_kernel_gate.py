@@ -26,7 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TARGET_NAMES = ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120", "gfx90a", "gfx942")
 LOGPROB_KERNELS = {"_chunk_stats", "_stats_finalize", "_chunk_dlogits"}
 VERIFY = 6
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+_CSV_TRITON = (ROOT / "bench" / "results" / "kernel_report.csv").read_text().split("| triton ", 1)[1].split()[0]
+if _CSV_TRITON != triton.__version__:  # the rows are keyed by the Triton version: none is this one's
+    pytest.skip(f"bench/results/kernel_report.csv was compiled with Triton {_CSV_TRITON} (locks/cpu.txt), this is "
+                f"{triton.__version__}: run python -m bench.kernel_report under it to gate it", allow_module_level=True)
 
 
 def _env():

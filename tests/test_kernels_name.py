@@ -34,8 +34,13 @@ print(json.dumps(out))
 """
 
 
-def _probe(tmp_path, stand_in: bool, how: str) -> dict:
+def _probe(tmp_path, stand_in: bool, how: str, second_checkout: bool = False) -> dict:
     env_path = []
+    if second_checkout:  # another grpo-fast checkout (a worktree, say) also on the path, before the package
+        other = tmp_path / "worktree" / "kernels"
+        other.mkdir(parents=True)
+        (other / "__init__.py").write_text((ROOT / "kernels" / "__init__.py").read_text())
+        env_path.append(str(tmp_path / "worktree"))
     if stand_in:
         pkg = tmp_path / "site" / "kernels"
         pkg.mkdir(parents=True)
@@ -83,3 +88,11 @@ def test_import_kernels_from_the_root_without_a_stand_in(tmp_path):
         assert out["kernels"][0] == installed and out["kernels"][1], out
         assert out.get("transformers sees kernels") is True, out
     assert out["grpo_fast.kernels"][0] == str(ROOT / "kernels" / "__init__.py")
+
+
+def test_two_checkouts_on_the_path_hand_on_past_each_other(tmp_path):
+    out = _probe(tmp_path / "with", stand_in=True, how="-c", second_checkout=True)
+    assert out["kernels"][0] == str(tmp_path / "with" / "site" / "kernels" / "__init__.py")
+    out = _probe(tmp_path / "without", stand_in=False, how="-c", second_checkout=True)
+    if _installed_kernels() is None:
+        assert out["kernels"] == [str(ROOT / "kernels" / "__init__.py"), []]

@@ -40,6 +40,9 @@ torchvision==0.28.0  # removed again by setup.sh
     ("liger-kernel==0.8.5\ntorch==2.13.0+cpu\nrich==14.0.0\n", ["rich: installed 14.0.0, not in the lock"]),
     ("liger-kernel==0.8.5\ntorch==2.13.0+cpu\ntorchvision==0.28.0\n",
      ["torchvision: installed 0.28.0, which setup.sh removes"]),
+    ("liger-kernel==0.8.5\ntorch==2.13.0+cu128\n", ["torch: locked 2.13.0+cpu, installed 2.13.0+cu128"]),
+    ("liger-kernel @ file:///tmp/liger\ntorch==2.13.0+cpu\n",
+     ["liger-kernel: locked 0.8.5, installed @ file:///tmp/liger"]),
 ])
 def test_check_names_every_difference(tmp_path, capsys, freeze, problems):
     path = tmp_path / "lock.txt"
@@ -47,7 +50,15 @@ def test_check_names_every_difference(tmp_path, capsys, freeze, problems):
     rc = lock.check(_fake_venv(tmp_path, freeze), path)
     err = capsys.readouterr().err
     assert rc == (1 if problems else 0)
-    assert [line.strip() for line in err.splitlines()[1:]] == problems
+    assert [line.strip() for line in err.splitlines()[1:1 + len(problems)]] == problems
+    if "not in the lock" in err or "setup.sh removes" in err:
+        assert "python -m pip uninstall -y " in err.splitlines()[-1]
+
+
+def test_a_lock_without_a_local_label_takes_any_build_of_the_release():
+    assert lock.same_version("2.13.0", "2.13.0+cu128") and lock.same_version("2.13.0", "2.13.0")
+    assert not lock.same_version("2.13.0+cpu", "2.13.0") and not lock.same_version("2.13.0", "2.13.1")
+    assert not lock.same_version("2.13.0", None)
 
 
 def test_the_locks_are_dated_exact_and_say_how_to_refresh():

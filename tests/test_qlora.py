@@ -155,7 +155,8 @@ def test_bf16_compute_dtype(tmp_path):
 def packed_gemv_reference(A, B, out=None, transposed_A=False, transposed_B=False, state=None):
     """What bitsandbytes' repacked CPU kernel computes, in torch: the nibbles of the ``[N, K/2]`` packed weight back
     in ``[N, K]`` order, each times its block's bf16 scale, the matmul in bf16. It stands in for the kernel on a CPU
-    without AVX512-BF16, where the kernel would stop the process (an illegal instruction)."""
+    without AVX512-BF16, where bitsandbytes registers no kernel for the repacked layout (its generic one would read the
+    repacked weight as if it were not)."""
     n, k = state.shape
     p = B.reshape(-1, 32)
     nibbles = torch.cat([p & 0xF, p >> 4], -1).reshape(n // 32, k // 2, 32, 2).transpose(1, 2).reshape(n, k)
@@ -240,16 +241,35 @@ def test_the_trainer_never_repacks_by_itself(tmp_path, avx512bf16_cpu):
         keep_training_layout(plain, "FastGRPOTrainer model")
 
 
-def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_cpu, caplog, monkeypatch):
+def _saved_qwen2(directory, **overrides) -> str:
+    """A random Qwen2 of the tiny model's size (``overrides`` on its config) and the tiny tokenizer, saved."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    values = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
+                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(1)
+    Qwen2ForCausalLM(Qwen2Config(**{**values, **overrides})).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize("variant", ["nf4", "fp4 single quantization", "unpackable mlp"])
+def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_cpu, caplog, monkeypatch, variant):
     """A bf16 run generates in the repacked layout (the log says so); afterwards every 4-bit layer holds its
     weight and scales bit for bit, and a training forward and backward gives the loss and adapter gradients of a
-    twin that never repacked."""
+    twin that never repacked. Variants: FP4 without double quantization (no nested scales to keep), and an MLP
+    width (80) bitsandbytes does not repack, whose layers stay in the training layout while the others repack."""
     from grpo_fast.bnb_layout import is_packed, linear4bit_layers
     from grpo_fast.train import prepare
     from grpo_fast.train.rollout import HFEngine, SamplingParams
 
-    config = small_config(tmp_path, **QLORA, dtype="bfloat16")
+    options = {"nf4": {}, "fp4 single quantization": dict(bnb_4bit_quant_type="fp4", bnb_4bit_use_double_quant=False),
+               "unpackable mlp": dict(model=_saved_qwen2(tmp_path / "qwen2-80", intermediate_size=80))}[variant]
+    config = small_config(tmp_path, **QLORA, dtype="bfloat16", **options)
     runs = [prepare(config).run for _ in range(2)]
+    packable = 8 if variant == "unpackable mlp" else 14  # q, k, v, o of 2 layers (+ gate, up, down)
     before = _layout_bytes(runs[0].model)
     assert _same(before, _layout_bytes(runs[1].model))
     ids, mask = _batch(runs[0].tokenizer, n=4)
@@ -257,7 +277,8 @@ def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_
     with caplog.at_level("INFO", logger="grpo_fast.train"):
         engine = HFEngine(runs[0])
     assert engine.packed_4bit
-    assert "4-bit generation layout: repacked for inference (bfloat16 on a CPU with AVX512-BF16" in caplog.text
+    assert (f"4-bit generation layout: repacked for inference (bfloat16 on a CPU with AVX512-BF16: bitsandbytes' "
+            f"repacked inference kernel, {packable} of 14 4-bit layers)") in caplog.text
 
     from grpo_fast.train import rollout
 
@@ -272,8 +293,12 @@ def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_
     out = engine.generate(ids, mask, 4, SamplingParams(3, 1.0, 1.0, 0), eos_token_id=0,
                           pad_token_id=runs[0].tokenizer.pad_token_id, seed=0)
     assert out.completion_ids.shape[0] == 16
-    assert seen == [[True] * 14]
+    assert [sum(layers) for layers in seen] == [packable]
     assert _same(_layout_bytes(runs[0].model), before)
+    for layer in linear4bit_layers(runs[0].model):  # the fields as_dict leaves out when not nested, too
+        state = layer.weight.quant_state
+        assert not is_packed(layer) and state.nested == (variant != "fp4 single quantization")
+        assert hasattr(state, "state2") and (state.state2 is None) == (not state.nested)
 
     losses, grads = [], []
     for r in runs:
@@ -301,6 +326,93 @@ def test_repacked_generation_restores_after_an_error(tmp_path, avx512bf16_cpu):
     assert _same(_layout_bytes(model), before)
 
 
+def test_an_interrupted_repacking_puts_every_layer_back(tmp_path, avx512bf16_cpu, monkeypatch):
+    """Ctrl-C (or memory) while bitsandbytes repacks the third layer, after it changed that layer's state in place:
+    the two layers already repacked and the third are all back as they were, and the interrupt goes on."""
+    import bitsandbytes.functional as bnb_functional
+
+    from grpo_fast.bnb_layout import inference_layout
+
+    model, _ = load_model_and_tokenizer(small_config(tmp_path, **QLORA, dtype="bfloat16"), CPU, torch.bfloat16)
+    before = _layout_bytes(model)
+    real, calls = bnb_functional._convert_weight_packed_for_cpu, []
+
+    def interrupted(weight, state, *args):
+        calls.append(1)
+        out = real(weight, state, *args)  # the state is changed in place here
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(bnb_functional, "_convert_weight_packed_for_cpu", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with inference_layout(model):
+            pytest.fail("the block ran")
+    assert len(calls) == 3 and _same(_layout_bytes(model), before)
+
+
+def test_a_failing_restore_still_restores_the_other_layers(tmp_path, avx512bf16_cpu, monkeypatch):
+    from grpo_fast import bnb_layout
+
+    model, _ = load_model_and_tokenizer(small_config(tmp_path, **QLORA, dtype="bfloat16"), CPU, torch.bfloat16)
+    layers = bnb_layout.linear4bit_layers(model)
+    before = _layout_bytes(model)
+    real = bnb_layout._restore
+
+    def failing(layer, scales):
+        if layer is layers[5]:
+            raise MemoryError("no memory for the nibbles")
+        real(layer, scales)
+
+    monkeypatch.setattr(bnb_layout, "_restore", failing)
+    with pytest.raises(MemoryError, match="no memory for the nibbles"):
+        with bnb_layout.inference_layout(model):
+            pass
+    after = _layout_bytes(model)
+    assert [bnb_layout.is_packed(layer) for layer in layers] == [i == 5 for i in range(14)]
+    assert all(_same(after[i], before[i]) for i in range(14) if i != 5)
+
+
+def test_a_bitsandbytes_that_repacks_otherwise_is_left_in_the_training_layout(tmp_path, avx512bf16_cpu,
+                                                                                 monkeypatch):
+    """If a bitsandbytes release changes its private repacked format (here: blocks of 64 rows, not 32), the round
+    trip check sees the restore is not exact and generation stays in the training layout."""
+    import bitsandbytes.functional as bnb_functional
+
+    from grpo_fast.bnb_layout import packed_generation
+
+    model, _ = load_model_and_tokenizer(small_config(tmp_path, **QLORA, dtype="bfloat16"), CPU, torch.bfloat16)
+    before = _layout_bytes(model)
+    real = bnb_functional._convert_weight_packed_for_cpu
+    monkeypatch.setattr(bnb_functional, "_convert_weight_packed_for_cpu",
+                        lambda weight, state, block_n=32: real(weight, state, block_n=64))
+    assert packed_generation(model, CPU, torch.bfloat16) == (
+        False, "this bitsandbytes repacks in a layout grpo-fast cannot undo exactly (its private format changed)")
+    monkeypatch.setattr(bnb_functional, "_convert_weight_packed_for_cpu", real)
+    assert packed_generation(model, CPU, torch.bfloat16)[0]
+    assert _same(_layout_bytes(model), before)  # the check itself leaves the layer as it was
+
+
+def test_without_avx512bf16_a_bf16_run_generates_in_the_training_layout(tmp_path, monkeypatch):
+    """The other side of the flag, forced on any CPU: bitsandbytes builds its layers without repacking, grpo-fast
+    says why it keeps the training layout, and a bf16 4-bit run trains."""
+    import bitsandbytes.nn.modules as bnb_modules
+
+    from grpo_fast import bnb_layout
+
+    monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: False)
+    monkeypatch.setattr(bnb_layout, "cpu_has_avx512bf16", lambda: False)
+    monkeypatch.setattr("grpo_fast.train.rollout._LOGGED", set())
+    model, _ = load_model_and_tokenizer(small_config(tmp_path / "m", **QLORA, dtype="bfloat16"), CPU, torch.bfloat16)
+    assert bnb_layout.packed_generation(model, CPU, torch.bfloat16) == (
+        False, "this CPU has no AVX512-BF16, which bitsandbytes' repacked kernel needs")
+    packs = []
+    real = bnb_layout._repack
+    monkeypatch.setattr(bnb_layout, "_repack", lambda layers: packs.append(len(layers)) or real(layers))
+    summary = train(small_config(tmp_path, **QLORA, dtype="bfloat16", steps=2))
+    assert summary.skipped_updates == 0 and packs == []
+
+
 def test_float32_runs_generate_in_the_training_layout(tmp_path, avx512bf16_cpu):
     """The repacked kernel computes in bf16: a float32 run keeps sampling from the policy it trains."""
     from grpo_fast.bnb_layout import packed_generation
@@ -316,20 +428,10 @@ def test_float32_runs_generate_in_the_training_layout(tmp_path, avx512bf16_cpu):
 def test_repacked_bf16_run_of_a_qwen2_with_attention_biases(tmp_path, avx512bf16_cpu):
     """A saved Qwen2 with q/k/v biases (bitsandbytes' repacked path adds a bias in place, which failed in training)
     trains with 8-bit AdamW from its save_pretrained directory, generations repacked."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    tokenizer = tiny_tokenizer()
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(1)
-    model = Qwen2ForCausalLM(config)
-    assert model.model.layers[0].self_attn.q_proj.bias is not None
-    model.save_pretrained(tmp_path / "qwen2-bias")
-    tokenizer.save_pretrained(tmp_path / "qwen2-bias")
-    summary = train(small_config(tmp_path, **QLORA, model=str(tmp_path / "qwen2-bias"), dtype="bfloat16",
-                                 optim="adamw_8bit", steps=2))
+    model_dir = _saved_qwen2(tmp_path / "qwen2-bias")
+    assert "q_proj.bias" in " ".join(__import__("safetensors.torch").torch.load_file(
+        f"{model_dir}/model.safetensors"))
+    summary = train(small_config(tmp_path, **QLORA, model=model_dir, dtype="bfloat16", optim="adamw_8bit", steps=2))
     steps = read_steps(tmp_path / "run" / "metrics.jsonl")
     assert len(steps) == 2 and summary.skipped_updates == 0
     assert all(torch.isfinite(torch.tensor(s["loss"])) for s in steps)

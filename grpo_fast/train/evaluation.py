@@ -42,7 +42,9 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
     no function scored (``grpo-fast eval``'s pass@k). ``run`` is the trainer's ``Run``, ``params`` a
     ``SamplingParams``; completions are sampled and scored as in training (``rollout.rollout``, ``rewards.score``), by
     grpo-fast's own sampler on the policy whatever the run's rollout engine."""
+    from grpo_fast.bnb_layout import inference_layout
     from grpo_fast.train import distributed as dist_
+    from grpo_fast.train.forward import unwrap
     from grpo_fast.train.rewards import score, weighted_reward
     from grpo_fast.train.rollout import HFEngine, SamplingParams, rollout
 
@@ -56,20 +58,22 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
     # every rank makes the same number of generation calls (FSDP2 gathers weights in each); surplus calls are empty
     calls = math.ceil(math.ceil(len(run.eval_records) / world.size) / chunk)
     engine = HFEngine(run)
-    for i in range(calls):
-        part = mine[i * chunk : (i + 1) * chunk]
-        # a surplus call generates, unscored; sampling seeds differ per call and rank
-        # always on the policy itself (hf): held-out scores compare across rollout engines
-        _, completions = rollout(run, part or run.eval_records[:1], samples, params,
-                                 first_chunk=world.rank * calls + i, engine=engine)
-        if part:
-            per_function = score(run, part, completions, samples)
-            rewards = weighted_reward(run, per_function)
-            total += float(rewards.sum())
-            unscored = per_function.isnan().all(dim=1)  # every function returned None
-            scored += int((~unscored).sum())
-            if scores is not None:
-                scores.extend(rewards.masked_fill(unscored, math.nan).view(len(part), samples))
+    # a repacked 4-bit layout (bnb_layout) is taken once for all the calls, not once per call
+    with inference_layout(unwrap(run.model), engine.packed_4bit):
+        for i in range(calls):
+            part = mine[i * chunk : (i + 1) * chunk]
+            # a surplus call generates, unscored; sampling seeds differ per call and rank
+            # always on the policy itself (hf): held-out scores compare across rollout engines
+            _, completions = rollout(run, part or run.eval_records[:1], samples, params,
+                                     first_chunk=world.rank * calls + i, engine=engine)
+            if part:
+                per_function = score(run, part, completions, samples)
+                rewards = weighted_reward(run, per_function)
+                total += float(rewards.sum())
+                unscored = per_function.isnan().all(dim=1)  # every function returned None
+                scored += int((~unscored).sum())
+                if scores is not None:
+                    scores.extend(rewards.masked_fill(unscored, math.nan).view(len(part), samples))
     total, scored = dist_.sum_across([total, float(scored)], world, run.device)
     if not scored:
         logger.warning("held-out evaluation: no reward function scored any of the %d completions (all returned None)",

@@ -279,8 +279,8 @@ class HFEngine:
 
     def __init__(self, run):
         self.run = run
-        # a 4-bit base samples in bitsandbytes' CPU inference layout where that is faster and computes what the run
-        # computes (bf16 on an AVX512-BF16 CPU), and trains in its own layout (grpo_fast.bnb_layout)
+        # a 4-bit base of a bf16 run on an AVX512-BF16 CPU samples in bitsandbytes' CPU inference layout (faster, bf16
+        # like the run) and trains in its own layout (grpo_fast.bnb_layout)
         self.packed_4bit, why = packed_generation(unwrap(run.model), run.device, run.dtype)
         message = f"4-bit generation layout: {'repacked for inference' if self.packed_4bit else 'the training layout'}"
         if linear4bit_layers(unwrap(run.model)) and message not in _LOGGED:
