@@ -291,3 +291,68 @@ def test_a_legacy_torch_save_file_is_named_as_such(tmp_path):
     path.write_bytes(b"garbage\n" * 8)
     with pytest.raises(ckpt.DamagedCheckpoint, match=r"\(not a torch.save archive\)$"):
         ckpt.load(path)
+
+
+def _shared(kind: str, depth: int):
+    """A container of ``depth`` levels whose every level holds the one below twice: 1.5 KB as a pickle (memoised),
+    2**depth paths to walk if shared references are followed each time."""
+    inner = [0]
+    for _ in range(depth):
+        inner = {"list": [inner, inner], "tuple": (inner, inner), "dict": {"a": inner, "b": inner},
+                 "mixed": [inner, {"x": (inner,)}]}[kind]
+    return inner
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "dict", "mixed"])
+def test_a_small_checkpoint_of_shared_references_loads_at_once(tmp_path, kind):
+    """Plain content that shares its containers (2**40 paths, a few KB on disk) is checked in one pass over each
+    container; a shared container hiding a non-plain value is still found, under the first path that reaches it."""
+    import time
+
+    path = tmp_path / "bomb.pt"
+    torch.save({"x": _shared(kind, 40)}, path)
+    assert path.stat().st_size < 4096
+    start = time.perf_counter()
+    assert ckpt.load(path)["x"] is not None
+    assert time.perf_counter() - start < 2.0
+    inner = {"deep": torch.device("cpu")}
+    for _ in range(40):
+        inner = [inner, inner]
+    torch.save({"x": inner}, path)
+    with pytest.raises(ckpt.DamagedCheckpoint, match=r"a torch\.device at \['x'\](\[1\]){40}\['deep'\]"):
+        ckpt.load(path)
+
+
+def test_export_of_a_shared_reference_bomb_is_one_line(tmp_path, capsys):
+    path = tmp_path / "checkpoint-000009.pt"
+    torch.save({"x": _shared("list", 40)}, path)
+    line = _one_line(capsys, ["export", str(path), str(tmp_path / "out")], "export")
+    assert line.startswith(f"CHECKPOINT: {path} lacks step, ")
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "directory", "fifo", "link to a directory"])
+def test_resume_skips_a_checkpoint_name_that_is_not_a_file(run_dir, tmp_path, caplog, kind):
+    """The newest checkpoint's name is a dangling symlink, a directory, a FIFO (which an open would wait on
+    forever) or a link to a directory: --resume names it, skips it as damaged, and resumes from the older one."""
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    planted = out / "checkpoints" / "checkpoint-000002.pt"
+    if kind == "dangling link":
+        planted.symlink_to(tmp_path / "gone.pt")
+    elif kind == "directory":
+        planted.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(planted)
+    else:
+        (tmp_path / "elsewhere").mkdir()
+        planted.symlink_to(tmp_path / "elsewhere")
+    what = {"dangling link": f"{planted} cannot be read (FileNotFoundError: [Errno 2] No such file or directory",
+            "fifo": f"{planted} cannot be read (it is a FIFO, not a file)",
+            # a directory of that name is read as a sharded checkpoint: its trainer_state.pt is missing
+            "directory": f"{planted}/trainer_state.pt cannot be read (FileNotFoundError",
+            "link to a directory": f"{planted}/trainer_state.pt cannot be read (FileNotFoundError"}[kind]
+    with caplog.at_level("WARNING", logger="grpo_fast.train"):
+        assert main(["train", *TINY, "--steps", "2", "--output-dir", str(out), "--resume"]) == 0
+    assert f"--resume: skipping a damaged checkpoint: {what}" in caplog.text
+    step, newest = ckpt.list_checkpoints(out / "checkpoints")[-1]
+    assert step == 2 and newest.is_file() and not newest.is_symlink() and ckpt.read_state(newest)["step"] == 2

@@ -34,6 +34,7 @@ import random
 import re
 import shlex
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Any
@@ -134,9 +135,13 @@ def _reason(e: BaseException) -> str:
 def _not_plain(obj: Any) -> str | None:
     """Where ``obj`` holds something outside :data:`PLAIN_TYPES` (``"a torch.device at ['rng']['cuda']"``); None
     when nowhere."""
-    stack = [(obj, "")]
+    stack, seen = [(obj, "")], set()  # each container once: shared references would double the walk per level
     while stack:
         value, where = stack.pop()
+        if isinstance(value, (dict, list, tuple)):
+            if id(value) in seen:  # (ids stay unique: obj keeps every container alive during the walk)
+                continue
+            seen.add(id(value))
         if isinstance(value, dict):
             stack.extend((v, f"{where}[{k!r}]") for k, v in value.items())
         elif isinstance(value, (list, tuple)):
@@ -165,8 +170,18 @@ def check_safe(file: str | os.PathLike | IO[bytes], name: str | None = None) -> 
     pickle's opcodes (``torch.serialization.get_unsafe_globals_in_checkpoint``). ``name``: the file in messages."""
     name = str(file) if name is None else name
     buffer = not isinstance(file, (str, os.PathLike))
+    if not buffer:  # a dangling link, a directory or a FIFO of a checkpoint's name: named, never opened
+        try:
+            mode = os.stat(file).st_mode
+        except OSError as e:
+            raise DamagedCheckpoint(f"{name} cannot be read ({_reason(e)})") from None
+        if not stat.S_ISREG(mode):
+            kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else
+                    "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "not a regular file")
+            raise DamagedCheckpoint(f"{name} cannot be read (it is {kind}, not a file)")
     start = file.tell() if buffer else 0
-    head = b""
+    head = magic = b""
     try:
         if buffer:
             head = file.read(_HEAD_BYTES)
