@@ -321,3 +321,33 @@ def test_check_prompts_counts_the_empty_prompts_after_the_first(tmp_path, tokeni
     with pytest.raises(ValueError, match=r"data.jsonl, line 3: column 'prompt' is an empty prompt, got ' ' \(2 more "
                                          r"prompts are empty\)$"):
         check_prompts(located, tokenizer, prompt_column="prompt", max_prompt_length=8)
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e"])
+def test_jsonl_lines_end_at_newline_only(tmp_path, char):
+    """A JSON string may hold the characters str.splitlines also breaks on, written as they are
+    (ensure_ascii=False): the row loads whole, and the line numbers count newlines."""
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": f"a{char}b=", "answer": f"c{char}"},
+            {"prompt": "x", "answer": "y"}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert load_records(path, required=("answer",)) == rows
+    path.write_text(path.read_text(encoding="utf-8") + '{"prompt": \n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"data\.jsonl, line 4: invalid JSON"):
+        load_records(path, required=("answer",))
+
+
+def test_jsonl_with_crlf_and_a_byte_order_mark(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "1+1=", "answer": "2"}\r\n{"prompt": "2+2=", "answer": "4"}\r\n')
+    assert load_records(path, required=("answer",)) == [{"prompt": "1+1=", "answer": "2"},
+                                                          {"prompt": "2+2=", "answer": "4"}]
+
+
+@pytest.mark.parametrize("name", ["data.jsonl", "data.json"])
+def test_a_file_that_is_not_utf8_names_the_line(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(b'{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\xe9=", "answer": "x"}\n')
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}, line 2: not UTF-8 \(byte 0xe9 at column 16\); "
+                                         "save the file as UTF-8$"):
+        load_records(path, required=("answer",))

@@ -70,8 +70,17 @@ def _tests_column(tests: Any, where: str) -> list[str] | None:
 
 
 def _read_json(path: Path, limit: int | None) -> Iterator[tuple[str, Any]]:
-    """(location, value) pairs from a JSON-lines file, or from a file holding one top-level JSON list."""
-    text = path.read_text(encoding="utf-8")
+    """(location, value) pairs from a JSON-lines file, or from a file holding one top-level JSON list. UTF-8, with or
+    without a byte-order mark; JSON Lines' lines end at ``\n`` (``\r\n`` too), not at the other characters
+    ``str.splitlines`` breaks on (U+2028, U+2029, U+0085, form feeds...), which a JSON string may hold as they are."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(f"{path}, line {line}: not UTF-8 (byte 0x{data[e.start]:02x} at column {column}); save "
+                         "the file as UTF-8") from None
     if text.lstrip().startswith("["):
         try:
             items = json.loads(text)
@@ -80,7 +89,7 @@ def _read_json(path: Path, limit: int | None) -> Iterator[tuple[str, Any]]:
         yield from ((f"{path}, item {i}", item) for i, item in enumerate(items[:limit]))
         return
     count = 0
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         if limit is not None and count == limit:
