@@ -54,6 +54,7 @@ def test_file_then_command_line_precedence(tmp_path):
         ({"rewards": ""}, "TrainConfig.rewards must name at least one reward function"),
         ({"temperature": "0"}, "temperature must be > 0"),
         ({"threads": "0"}, "TrainConfig.threads must be an int >= 1 or None, got 0"),
+        ({"threads": "10000"}, r"TrainConfig.threads must be at most the \d+ CPUs this process may use, got 10000"),
         ({"lr": "inf"}, "TrainConfig.lr must be a finite number > 0 or None, got inf"),
         ({"top_k": "-1"}, "TrainConfig.top_k must be an int >= 0"),
         ({"adam_betas": "0.9,1.5"}, r"adam_betas must be two numbers in \[0, 1\)"),
@@ -190,3 +191,20 @@ def test_a_bool_in_a_file_is_not_a_number():
     with pytest.raises(ValueError, match=r"TrainConfig.temperature: expected float, got True \(bool, expected a "
                                          "number\)"):
         build_config({"temperature": True})
+
+
+def test_threads_are_bounded_by_the_cpus_this_process_may_use(monkeypatch):
+    import grpo_fast.train.config as config_module
+
+    monkeypatch.setattr(config_module.os, "sched_getaffinity", lambda pid: {0, 1, 2})
+    assert build_config(overrides={"threads": "3"}).threads == 3
+    with pytest.raises(ValueError, match="^TrainConfig.threads must be at most the 3 CPUs this process may use, got 4$"):
+        build_config(overrides={"threads": "4"})
+
+
+def test_cli_threads_error_names_the_flag(capsys):
+    from grpo_fast.cli import main
+
+    assert main(["train", "--threads", "10000"]) == 2
+    err = capsys.readouterr().err
+    assert "--threads" in err and "CPUs this process may use, got 10000" in err and "Traceback" not in err

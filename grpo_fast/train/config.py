@@ -34,6 +34,14 @@ def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, which schedulers and taskset set), else all of them."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass
 class TrainConfig:
     # model
@@ -45,7 +53,8 @@ class TrainConfig:
                     "(bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     device: str = _f("auto", "auto (cuda when available), cpu, cuda, cuda:N")
     threads: int | None = _f(None, "CPU threads for torch (None: 1 for the tiny model, whose small matmuls gain "
-                             "nothing from more and stall when the machine is busy; torch's default otherwise)")
+                             "nothing from more and stall when the machine is busy; torch's default otherwise); at most the CPUs this "
+                             "process may use")
     impl: str = _f("auto", "kernel path of the fused ops: auto (triton on CUDA), torch, triton, reference")
     lora_r: int = _f(0, "LoRA rank (0: train every parameter); the reference model is then the base with the "
                      "adapters disabled (needs peft)")
@@ -238,6 +247,10 @@ class TrainConfig:
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"TrainConfig.threads must be an int >= 1 or None, got {self.threads!r}")
+        if self.threads is not None and self.threads > (cpus := usable_cpus()):
+            # torch's thread pools at thousands of threads crash the process (a segmentation fault in step 1)
+            raise ValueError(f"TrainConfig.threads must be at most the {cpus} CPUs this process may use, got "
+                             f"{self.threads}")
         if self.lr is not None and (isinstance(self.lr, bool) or not isinstance(self.lr, (int, float))
                                     or not (0 < self.lr < math.inf)):
             raise ValueError(f"TrainConfig.lr must be a finite number > 0 or None, got {self.lr!r}")
