@@ -209,16 +209,17 @@ def test_resume_command_repeats_the_options_with_resume(monkeypatch):
     assert resume_command(["train"]) == "torchrun [the same torchrun options] -m grpo_fast train --resume"
 
 
-def _interrupting_step(monkeypatch, at_step: int, times: int):
-    """train_step that sends itself ``times`` SIGINTs in the middle of step ``at_step`` (as a terminal would)."""
+def _interrupting_step(monkeypatch, at_step: int, times: int = 1, signum=signal.SIGINT, signums=None):
+    """train_step that sends itself ``times`` ``signum`` (or the ``signums`` in turn) in the middle of step
+    ``at_step`` (SIGINT: as a terminal would; SIGTERM and the others: as a scheduler would)."""
     from grpo_fast.train import lifecycle
 
     real = lifecycle.train_step
 
     def step(run):
         if run.step + 1 == at_step:
-            for _ in range(times):
-                os.kill(os.getpid(), signal.SIGINT)
+            for each in signums or [signum] * times:
+                os.kill(os.getpid(), each)
                 time.sleep(0.01)  # the handler runs between bytecodes of the main thread
         return real(run)
 
@@ -236,6 +237,34 @@ def test_ctrl_c_finishes_the_step_and_saves_it(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert train(small_config(tmp_path, steps=4, resume=True)).steps == 4
     assert [s["step"] for s in read_steps(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU"])
+def test_a_schedulers_stop_signal_is_ctrl_c(tmp_path, monkeypatch, name):
+    """A scheduler's stop (SIGTERM) or warning signal in step 2 of 4: the step finishes and is saved, every handler
+    is put back, and the resumed run ends bit for bit where an uninterrupted run ends."""
+    signum = getattr(signal, name)
+    straight = train(small_config(tmp_path / "straight", steps=4, save_every=4))
+    assert straight.steps == 4
+    _interrupting_step(monkeypatch, at_step=2, times=1, signum=signum)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signum)}
+    with pytest.raises(TrainingInterrupted, match=rf"^stopped by {name} after step 2 of 4, saved in .*"
+                                                  r"checkpoint-000002.pt$") as info:
+        fit(prepare(small_config(tmp_path / "stopped", steps=4, save_every=4)))
+    assert info.value.clean and info.value.step == 2
+    assert {s: signal.getsignal(s) for s in before} == before
+    monkeypatch.undo()
+    assert train(small_config(tmp_path / "stopped", steps=4, save_every=4, resume=True)).steps == 4
+    final = [ckpt.read_state(ckpt.list_checkpoints(tmp_path / run_name / "run" / "checkpoints")[-1][1])
+             for run_name in ("straight", "stopped")]
+    assert final[0]["step"] == final[1]["step"] == 4
+    assert all(torch.equal(final[0]["model"][k], final[1]["model"][k]) for k in final[0]["model"])
+
+
+def test_a_second_stop_signal_abandons_the_step(tmp_path, monkeypatch):
+    _interrupting_step(monkeypatch, at_step=3, signums=[signal.SIGTERM, signal.SIGUSR1])
+    with pytest.raises(TrainingInterrupted, match=r"stopped at once by a second SIGUSR1 after 2 of 4 steps"):
+        fit(prepare(small_config(tmp_path, steps=4, save_every=2)))
 
 
 def test_a_second_ctrl_c_abandons_the_step(tmp_path, monkeypatch):
@@ -273,6 +302,29 @@ def test_ctrl_c_in_a_real_process_saves_and_resumes(tmp_path):
     command = last.split("resume with: python -m grpo_fast ")[1].split()
     command[command.index("--steps") + 1] = str(step + 1)
     assert main(command) == 0
+    assert [s["step"] for s in read_steps(out / "metrics.jsonl")] == list(range(1, step + 2))
+
+
+def test_sigterm_to_a_real_process_saves_and_resumes(tmp_path):
+    """SIGTERM, as a scheduler stops a job, to ``python -m grpo_fast train`` after its first step: exit 130, no
+    traceback, the step it stopped at saved, and the printed resume command continues from it."""
+    out = tmp_path / "run"
+    argv = ["train", *TINY[2:], "--steps", "1000", "--output-dir", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "grpo_fast", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 120
+    while not ((out / "metrics.jsonl").exists() and read_steps(out / "metrics.jsonl")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+    step = read_steps(out / "metrics.jsonl")[-1]["step"]
+    saved = ckpt.checkpoint_path(out / "checkpoints", step)
+    assert "SIGTERM: stopping after this step, with a checkpoint" in stderr
+    assert stderr.strip().splitlines()[-1].startswith(
+        f"grpo-fast train: stopped by SIGTERM after step {step} of 1000, saved in {saved}; resume with: ")
+    assert main(["train", *TINY[2:], "--steps", str(step + 1), "--output-dir", str(out), "--resume"]) == 0
     assert [s["step"] for s in read_steps(out / "metrics.jsonl")] == list(range(1, step + 2))
 
 

@@ -100,14 +100,16 @@ def prepare(config: TrainConfig) -> Prepared:
 def fit(prepared: Prepared) -> Summary:
     """The loop: steps up to ``config.steps``, checkpoints, the after-evaluation and the plot.
 
-    Ctrl-C finishes the step in progress, saves a checkpoint and raises :class:`TrainingInterrupted` (a
-    KeyboardInterrupt); a second Ctrl-C abandons the step without saving it."""
+    Ctrl-C, or a stop signal a scheduler sends (SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGXCPU), finishes the step in
+    progress, saves a checkpoint and raises :class:`TrainingInterrupted` (a KeyboardInterrupt); a second one abandons
+    the step without saving it."""
     run, log, config = prepared.run, prepared.log, prepared.run.config
     ckpt_dir = prepared.out_dir / "checkpoints"
     main = run.world.is_main
     bar = _progress(config, run.step, enabled=main)
+    stop = _StopOnInterrupt(same_press_s=5.0 if run.world.distributed else 0.0)
     try:
-        with _StopOnInterrupt(same_press_s=5.0 if run.world.distributed else 0.0) as stop:
+        with stop:
             while run.step < config.steps:
                 before_step = run.sampler.state_dict(), ckpt.rng_state()  # what a failed step's checkpoint restores
                 metrics = train_step(run)
@@ -117,13 +119,13 @@ def fit(prepared: Prepared) -> Summary:
                 bar.update(1)
                 if run.step < config.steps and stop.requested(run):
                     path = save_checkpoint(run, ckpt_dir)
-                    raise TrainingInterrupted(f"stopped by Ctrl-C after step {run.step} of {config.steps}, saved in "
-                                              f"{path}", run.step, path, clean=True)
+                    raise TrainingInterrupted(f"stopped by {stop.by} after step {run.step} of {config.steps}, saved "
+                                              f"in {path}", run.step, path, clean=True)
                 if config.save_every and run.step % config.save_every == 0 and run.step < config.steps:
                     save_checkpoint(run, ckpt_dir)
             path = save_checkpoint(run, ckpt_dir)
-            if stop.requested(run):  # Ctrl-C in the last step: the run is saved whole, the evaluation not run
-                raise TrainingInterrupted(f"stopped by Ctrl-C after the last step ({run.step}), saved in {path}; "
+            if stop.requested(run):  # a stop in the last step: the run is saved whole, the evaluation not run
+                raise TrainingInterrupted(f"stopped by {stop.by} after the last step ({run.step}), saved in {path}; "
                                           "the after-evaluation was not run", run.step, path, clean=True)
     except TrainingInterrupted:
         raise
@@ -135,7 +137,7 @@ def fit(prepared: Prepared) -> Summary:
         found = ckpt.list_checkpoints(ckpt_dir)  # (a save cut short left only a temporary, removed on resume)
         newest = found[-1][1] if found else None
         raise TrainingInterrupted(
-            f"stopped at once by a second Ctrl-C after {run.step} of {config.steps} steps; "
+            f"stopped at once by a second {stop.by} after {run.step} of {config.steps} steps; "
             + (f"the newest checkpoint is {newest} (step {found[-1][0]}), later steps are lost" if newest
                else "no checkpoint was saved"),
             run.step, newest, clean=False) from None
@@ -173,35 +175,50 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.step, self.checkpoint, self.clean = step, checkpoint, clean
 
 
+# what a terminal (SIGINT), a scheduler's stop or pre-emption (SIGTERM: Slurm, Kubernetes, SGE; SIGUSR1/SIGUSR2:
+# Slurm's --signal; SIGXCPU: a CPU-time limit) or a closed session (SIGHUP) sends: each is handled like Ctrl-C
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGXCPU")
+                     if hasattr(signal, name))
+
+
+def _signal_name(signum: int) -> str:
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
 class _StopOnInterrupt:
-    """While active, the first SIGINT (Ctrl-C) only asks the loop to stop after the step in progress (which then
-    saves a checkpoint); a second one raises KeyboardInterrupt at once. A SIGINT within ``same_press_s`` of the
-    first counts as the same Ctrl-C: under torchrun every worker gets the terminal's SIGINT and then torchrun's own
-    copy of it. Outside the main thread, where Python cannot take signals, it does nothing."""
+    """While active, the first stop signal (Ctrl-C, or one of :data:`STOP_SIGNALS` a scheduler sends) only asks the
+    loop to stop after the step in progress (which then saves a checkpoint); a second one raises KeyboardInterrupt at
+    once. A signal within ``same_press_s`` of the first counts as the same stop: under torchrun every worker gets the
+    terminal's SIGINT and then torchrun's own copy of it. Outside the main thread, where Python cannot take signals,
+    it does nothing. ``by``: what asked ("Ctrl-C", "SIGTERM", ...)."""
 
     def __init__(self, same_press_s: float = 0.0):
         self.asked = False
+        self.by = "Ctrl-C"
         self.same_press_s = same_press_s
         self._first = 0.0
-        self._previous = None
+        self._previous: dict[int, object] = {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def _handle(self, signum, frame):
         if self.asked:
             if time.monotonic() - self._first < self.same_press_s:
                 return
+            self.by = _signal_name(signum)
             raise KeyboardInterrupt
-        self.asked, self._first = True, time.monotonic()
-        logger.warning("Ctrl-C: stopping after this step, with a checkpoint (Ctrl-C again: stop now, losing the step)")
+        self.asked, self._first, self.by = True, time.monotonic(), _signal_name(signum)
+        logger.warning("%s: stopping after this step, with a checkpoint (%s again: stop now, losing the step)",
+                       self.by, "Ctrl-C" if signum == signal.SIGINT else "any stop signal")
 
     def requested(self, run: Run) -> bool:
         """Whether any rank was asked to stop (every rank then stops at the same step)."""
