@@ -505,6 +505,29 @@ def test_a_reward_that_calls_sys_exit_mid_run_is_a_reward_failure(tmp_path, caps
     assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [1]
 
 
+@pytest.mark.parametrize("bad, told", [
+    ("completions[:1]", "returned a bad value: reward function 'short' returned 1 scores for 4 completions"),
+    ("[float('nan')] * len(completions)", "returned a bad value: reward function 'short' returned the non-finite "
+                                          "score nan at index 0: return None to leave a sample unscored"),
+    ("'abc'", "returned a bad value: reward function 'short' must return a list of 4 floats (or None), got str"),
+])
+def test_a_reward_that_returns_bad_output_mid_run_saves_the_finished_steps(tmp_path, capsys, bad, told):
+    """A reward whose output is no list of one score per completion, at its third call (step 2), is a failure of the
+    function like an exception from it: one line naming the function, what it returned and the step, and step 1 saved
+    to resume from (the run used to stop with a traceback and nothing saved)."""
+    rewards = tmp_path / "shortly.py"
+    rewards.write_text("calls = 0\n\n\ndef short(prompts, completions, **kwargs):\n    global calls\n"
+                       f"    calls += 1\n    if calls == 3:\n        return {bad}\n"
+                       "    return [float(len(c)) for c in completions]\n")
+    out = tmp_path / "run"
+    argv = ["train", *TINY[2:], "--steps", "3", "--rewards", f"{rewards}:short", "--output-dir", str(out)]
+    line = _last_error_line(capsys, argv, 1)
+    saved = ckpt.checkpoint_path(out / "checkpoints", 1)
+    assert line == (f"grpo-fast train: error: reward_func short ({rewards}:4) {told} at step 2; resume from {saved}: "
+                    f"fix the function, then run: {resume_command(argv)} (--debug: the traceback)")
+    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [1]
+
+
 def test_a_reward_that_scores_nothing_reads_n_a(tmp_path, capsys):
     rewards = tmp_path / "unscored.py"
     rewards.write_text("def unscored(prompts, completions, **kwargs):\n    return [None] * len(completions)\n")

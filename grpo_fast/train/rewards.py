@@ -344,6 +344,16 @@ class RewardError(ValueError):
         return super().__str__() + (f" {self.when}" if self.when else "")
 
 
+class RewardOutputError(RewardError, TypeError):
+    """A reward function returned what is no list of one score (or None) per completion: the function failed, as if
+    it had raised (the trainer saves the last finished step and stops with one line). A ``TypeError`` and a
+    ``ValueError`` both, as the check that found it raised before. ``error``: that check's exception."""
+
+    def __init__(self, fn: RewardFn, error: BaseException):
+        super().__init__(fn, error)
+        ValueError.__init__(self, f"reward_func {self.function} ({self.location}) returned a bad value: {error}")
+
+
 def _location(fn: RewardFn, error: BaseException) -> str:
     """``file:line`` of ``fn`` for a message: the last line of its own file in ``error``'s traceback (where it
     raised, or called what raised), else the line that defines it; the file relative to the working directory
@@ -394,7 +404,11 @@ def compute_rewards(
             raise
         except BaseException as e:  # SystemExit (sys.exit in a reward) too: the function failed, the run did not
             raise RewardError(fn, e) from e
-        rewards[:, k] = torch.tensor(_as_scores(fn, values, n), dtype=torch.float32)
+        try:
+            scores = _as_scores(fn, values, n)
+        except (TypeError, ValueError) as e:
+            raise RewardOutputError(fn, e) from None
+        rewards[:, k] = torch.tensor(scores, dtype=torch.float32)
     return rewards
 
 
