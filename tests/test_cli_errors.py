@@ -277,9 +277,11 @@ def test_a_second_ctrl_c_abandons_the_step(tmp_path, monkeypatch):
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
 
 
-def test_ctrl_c_in_a_real_process_saves_and_resumes(tmp_path):
-    """SIGINT to ``python -m grpo_fast train`` after its first step: exit 130, no traceback, a checkpoint of the
-    step it stopped at, and the printed resume command continues from it."""
+@pytest.mark.parametrize("signum, by", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_a_stop_signal_to_a_real_process_saves_and_resumes(tmp_path, signum, by):
+    """SIGINT (a terminal's Ctrl-C) or SIGTERM (a scheduler's stop) to ``python -m grpo_fast train`` after its first
+    step: exit 130, no traceback, a checkpoint of the step it stopped at, and the printed resume command continues
+    from it."""
     out = tmp_path / "run"
     argv = ["train", *TINY[2:], "--steps", "1000", "--output-dir", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "grpo_fast", *argv], stdout=subprocess.PIPE,
@@ -288,43 +290,21 @@ def test_ctrl_c_in_a_real_process_saves_and_resumes(tmp_path):
     while not ((out / "metrics.jsonl").exists() and read_steps(out / "metrics.jsonl")):
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 130, stderr[-2000:]
     assert "Traceback" not in stderr
+    assert f"{by}: stopping after this step, with a checkpoint" in stderr
     last = stderr.strip().splitlines()[-1]
     step = read_steps(out / "metrics.jsonl")[-1]["step"]
     saved = ckpt.checkpoint_path(out / "checkpoints", step)
-    assert last.startswith(f"grpo-fast train: stopped by Ctrl-C after step {step} of 1000, saved in {saved}; "
+    assert last.startswith(f"grpo-fast train: stopped by {by} after step {step} of 1000, saved in {saved}; "
                            "resume with: python -m grpo_fast train ")
     assert last.endswith(" --resume") and saved.exists()
     # the printed command, one more step, continues from the checkpoint
     command = last.split("resume with: python -m grpo_fast ")[1].split()
     command[command.index("--steps") + 1] = str(step + 1)
     assert main(command) == 0
-    assert [s["step"] for s in read_steps(out / "metrics.jsonl")] == list(range(1, step + 2))
-
-
-def test_sigterm_to_a_real_process_saves_and_resumes(tmp_path):
-    """SIGTERM, as a scheduler stops a job, to ``python -m grpo_fast train`` after its first step: exit 130, no
-    traceback, the step it stopped at saved, and the printed resume command continues from it."""
-    out = tmp_path / "run"
-    argv = ["train", *TINY[2:], "--steps", "1000", "--output-dir", str(out)]
-    proc = subprocess.Popen([sys.executable, "-m", "grpo_fast", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.monotonic() + 120
-    while not ((out / "metrics.jsonl").exists() and read_steps(out / "metrics.jsonl")):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
-    step = read_steps(out / "metrics.jsonl")[-1]["step"]
-    saved = ckpt.checkpoint_path(out / "checkpoints", step)
-    assert "SIGTERM: stopping after this step, with a checkpoint" in stderr
-    assert stderr.strip().splitlines()[-1].startswith(
-        f"grpo-fast train: stopped by SIGTERM after step {step} of 1000, saved in {saved}; resume with: ")
-    assert main(["train", *TINY[2:], "--steps", str(step + 1), "--output-dir", str(out), "--resume"]) == 0
     assert [s["step"] for s in read_steps(out / "metrics.jsonl")] == list(range(1, step + 2))
 
 
@@ -488,43 +468,30 @@ def test_a_reward_that_raises_in_the_evaluation_and_debug_shows_the_traceback(tm
     assert f'File "{file}", line {line}, in flaky' in "\n".join(err)
 
 
-def test_a_reward_that_calls_sys_exit_mid_run_is_a_reward_failure(tmp_path, capsys):
-    """SystemExit from a reward function (sys.exit in it, at step 2) is handled like any exception from one: one line
-    naming the function, its line and the step, and step 1 saved to resume from."""
-    rewards = tmp_path / "leaving.py"
-    rewards.write_text("calls = 0\n\n\ndef leaves(prompts, completions, **kwargs):\n    global calls\n"
-                       "    calls += 1  # the before-evaluation is call 1\n    if calls == 3:\n"
-                       "        raise SystemExit('bye')\n    return [float(len(c)) for c in completions]\n")
-    out = tmp_path / "run"
-    argv = ["train", *TINY[2:], "--steps", "3", "--rewards", f"{rewards}:leaves", "--output-dir", str(out)]
-    line = _last_error_line(capsys, argv, 1)
-    saved = ckpt.checkpoint_path(out / "checkpoints", 1)
-    assert line == (f"grpo-fast train: error: reward_func leaves ({rewards}:8) raised SystemExit: bye at step 2; "
-                    f"resume from {saved}: fix the function, then run: {resume_command(argv)} (--debug: the "
-                    "traceback)")
-    assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [1]
-
-
-@pytest.mark.parametrize("bad, told", [
-    ("completions[:1]", "returned a bad value: reward function 'short' returned 1 scores for 4 completions"),
-    ("[float('nan')] * len(completions)", "returned a bad value: reward function 'short' returned the non-finite "
-                                          "score nan at index 0: return None to leave a sample unscored"),
-    ("'abc'", "returned a bad value: reward function 'short' must return a list of 4 floats (or None), got str"),
+@pytest.mark.parametrize("third_call, line, told", [
+    ("raise SystemExit('bye')", 8, "raised SystemExit: bye"),
+    ("return completions[:1]", 4, "returned a bad value: reward function 'flaky' returned 1 scores for 4 completions"),
+    ("return [float('nan')] * len(completions)", 4, "returned a bad value: reward function 'flaky' returned the "
+                                                    "non-finite score nan at index 0: return None to leave a sample "
+                                                    "unscored"),
+    ("return 'abc'", 4, "returned a bad value: reward function 'flaky' must return a list of 4 floats (or None), got "
+                        "str"),
 ])
-def test_a_reward_that_returns_bad_output_mid_run_saves_the_finished_steps(tmp_path, capsys, bad, told):
-    """A reward whose output is no list of one score per completion, at its third call (step 2), is a failure of the
-    function like an exception from it: one line naming the function, what it returned and the step, and step 1 saved
-    to resume from (the run used to stop with a traceback and nothing saved)."""
-    rewards = tmp_path / "shortly.py"
-    rewards.write_text("calls = 0\n\n\ndef short(prompts, completions, **kwargs):\n    global calls\n"
-                       f"    calls += 1\n    if calls == 3:\n        return {bad}\n"
-                       "    return [float(len(c)) for c in completions]\n")
+def test_a_reward_that_fails_mid_run_saves_the_finished_steps(tmp_path, capsys, third_call, line, told):
+    """A reward function that fails at its third call (step 2): SystemExit (sys.exit in it), handled like any
+    exception from one, or an output that is no list of one score per completion (too few, NaN, a string), which
+    used to stop the run with a traceback and nothing saved. One line naming the function, its line and the step,
+    and step 1 saved to resume from."""
+    rewards = tmp_path / "flaky_rewards.py"
+    rewards.write_text("calls = 0\n\n\ndef flaky(prompts, completions, **kwargs):\n    global calls\n"
+                       "    calls += 1  # the before-evaluation is call 1\n    if calls == 3:\n"
+                       f"        {third_call}\n    return [float(len(c)) for c in completions]\n")
     out = tmp_path / "run"
-    argv = ["train", *TINY[2:], "--steps", "3", "--rewards", f"{rewards}:short", "--output-dir", str(out)]
-    line = _last_error_line(capsys, argv, 1)
+    argv = ["train", *TINY[2:], "--steps", "3", "--rewards", f"{rewards}:flaky", "--output-dir", str(out)]
     saved = ckpt.checkpoint_path(out / "checkpoints", 1)
-    assert line == (f"grpo-fast train: error: reward_func short ({rewards}:4) {told} at step 2; resume from {saved}: "
-                    f"fix the function, then run: {resume_command(argv)} (--debug: the traceback)")
+    assert _last_error_line(capsys, argv, 1) == (
+        f"grpo-fast train: error: reward_func flaky ({rewards}:{line}) {told} at step 2; resume from {saved}: fix the "
+        f"function, then run: {resume_command(argv)} (--debug: the traceback)")
     assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [1]
 
 
