@@ -273,7 +273,7 @@ def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_
     before = _layout_bytes(runs[0].model)
     assert _same(before, _layout_bytes(runs[1].model))
     ids, mask = _batch(runs[0].tokenizer, n=4)
-    monkeypatch.setattr("grpo_fast.train.rollout._LOGGED", set())  # said once per process
+    monkeypatch.setattr("grpo_fast.train.rollout._LOGGED", set())  # said once per model
     with caplog.at_level("INFO", logger="grpo_fast.train"):
         engine = HFEngine(runs[0])
     assert engine.packed_4bit

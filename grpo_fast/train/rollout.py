@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,7 @@ from grpo_fast.train.forward import position_ids_from_mask, unwrap
 from grpo_fast.train.model import autocast
 
 logger = logging.getLogger("grpo_fast.train")
-_LOGGED: set[str] = set()  # what this process has said once
+_LOGGED: weakref.WeakSet = weakref.WeakSet()  # the models whose 4-bit generation layout the log has named
 
 
 @dataclass(frozen=True)
@@ -282,10 +283,11 @@ class HFEngine:
         # a 4-bit base of a bf16 run on an AVX512-BF16 CPU samples in bitsandbytes' CPU inference layout (faster, bf16
         # like the run) and trains in its own layout (grpo_fast.bnb_layout)
         self.packed_4bit, why = packed_generation(unwrap(run.model), run.device, run.dtype)
-        message = f"4-bit generation layout: {'repacked for inference' if self.packed_4bit else 'the training layout'}"
-        if linear4bit_layers(unwrap(run.model)) and message not in _LOGGED:
-            _LOGGED.add(message)
-            logger.info("%s (%s)", message, why)
+        model = unwrap(run.model)
+        if linear4bit_layers(model) and model not in _LOGGED:  # once per run, not per evaluation
+            _LOGGED.add(model)
+            logger.info("4-bit generation layout: %s (%s)",
+                        "repacked for inference" if self.packed_4bit else "the training layout", why)
 
     def generate(self, prompt_ids, prompt_mask, group_size: int, params: SamplingParams, *, eos_token_id,
                  pad_token_id: int, seed: int) -> Rollout:
