@@ -26,12 +26,9 @@ byte (:func:`round_trip_exact`): a bitsandbytes whose private format changed is 
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 
 import torch
-
-logger = logging.getLogger("grpo_fast.train")
 
 # the scale fields bitsandbytes' repacking replaces (nested: double quantization's state2 and offset)
 _SCALE_FIELDS = ("absmax", "state2", "offset", "nested", "dtype")
