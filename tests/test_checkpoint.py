@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -179,3 +180,19 @@ def test_resume_restores_the_global_rngs_a_step_draws_from(tmp_path):
     got = _final_params(tmp_path / "resumed")
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
+
+
+def test_resume_removes_a_partial_model_export(tmp_path, caplog):
+    """A run killed while writing model/ leaves .model.<pid>.tmp beside it; --resume removes it, says so, and leaves
+    everything else alone."""
+    train(small_config(tmp_path, steps=2, save_every=1))
+    out = tmp_path / "run"
+    partial = out / ".model.4242.tmp"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    before = sorted(p.name for p in out.iterdir() if p != partial)
+    with caplog.at_level("WARNING", logger="grpo_fast.train"):
+        train(small_config(tmp_path, steps=3, save_every=1, resume=True))
+    assert not partial.exists()
+    assert "removed 1 partial model/ export(s) left by an interrupted run: .model.4242.tmp" in caplog.text
+    assert set(before) <= {p.name for p in out.iterdir()}

@@ -255,6 +255,10 @@ def test_parse_memory(text, expected):
     (["--model", "gpt-5", "--memory", "24GB"], "--model: expected one of qwen2.5-0.5b, .*, got 'gpt-5'"),
     (["--model", "qwen2.5-0.5b", "--memory", "lots"], "--memory: expected a size such as 24GB, 80GiB or 24576MiB, "
                                                       "got 'lots'"),
+    # a value that starts with '-' is the value, not an option argparse would answer with its usage text
+    (["--model", "qwen2.5-0.5b", "--memory", "-5GB"], "--memory: expected a size such as 24GB, 80GiB or 24576MiB, "
+                                                      "got '-5GB'"),
+    (["--memory", "-0.5GB", "--model", "qwen2.5-0.5b"], "--memory: expected a size .*, got '-0.5GB'"),
     (["--model", "qwen2.5-0.5b", "--memory", "24GB", "--headroom", "1.5"],
      r"--headroom: expected a fraction in \[0, 1\), got 1.5"),
     (["--model", "qwen2.5-0.5b", "--memory", "24GB", "--lora-r", "-4"], "--lora-r: expected an integer >= 0"),

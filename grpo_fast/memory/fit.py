@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import json
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -240,8 +241,23 @@ def calibrate(args) -> int:
     return 0
 
 
+def _joined_values(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``--memory -5GB`` as ``--memory=-5GB``: argparse takes a value that starts with '-' for an option and answers
+    with the usage text; joined, the value's own check names what is wrong with it."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in flags and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1][1:2].isdigit():
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv=None, prog: str = "grpo-fast fit") -> int:
-    args = build_parser(prog).parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(prog).parse_args(_joined_values(argv, ("--memory",)))
     if args.model is not None and args.model.lower() not in {n for m in MODELS.values() for n in (m.name,
                                                                                                      m.hf_id.lower())}:
         raise ValueError(f"--model: expected one of {', '.join(MODELS)}, got {args.model!r}")

@@ -156,7 +156,7 @@ class TrainConfig:
     progress: bool = _f(True, "show a progress bar")
     plot: bool = _f(True, "write reward_kl.png at the end (needs matplotlib)")
     save_every: int = _f(100, "checkpoint every N steps (0: only at the end)")
-    keep_checkpoints: int = _f(2, "how many checkpoints to keep")
+    keep_checkpoints: int = _f(2, "how many checkpoints to keep, the newest (0: every one)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir")
     overwrite: bool = _f(False, "start over in an output_dir that holds an earlier run (its checkpoints are deleted)")
     seed: int = _f(0, "seeds the model init, the prompt order, the sampling and the global Python, numpy and torch "
