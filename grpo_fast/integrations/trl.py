@@ -43,10 +43,10 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from packaging.version import Version
 
+from grpo_fast.bnb_layout import keep_training_layout
 from grpo_fast.config import GRPOLossConfig, LossType
 from grpo_fast.logprobs import fused_logprobs
 from grpo_fast.loss import grpo_loss, grpo_loss_from_logps, micro_batch_scale
-from grpo_fast.bnb_layout import keep_training_layout
 
 MIN_TRL = "1.16"
 if Version(trl.__version__) < Version(MIN_TRL):

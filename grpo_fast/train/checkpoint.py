@@ -383,10 +383,11 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def remove_stale_temporaries(directory: Path) -> list[Path]:
-    """Deletes the ``.checkpoint-*.tmp`` files and directories an interrupted save left behind; returns them."""
+def remove_stale_temporaries(directory: Path, pattern: str = ".checkpoint-*.tmp") -> list[Path]:
+    """Deletes the files and directories matching ``pattern`` (the temporaries of :func:`save_atomic` and
+    :func:`save_sharded` by default) an interrupted save left behind in ``directory``; returns them."""
     directory = Path(directory)
-    stale = list(directory.glob(".checkpoint-*.tmp")) if directory.is_dir() else []
+    stale = sorted(directory.glob(pattern)) if directory.is_dir() else []
     for p in stale:
         remove(p)
     return stale

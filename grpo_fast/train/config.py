@@ -52,9 +52,9 @@ class TrainConfig:
     dtype: str = _f("auto", "compute dtype of the forward passes (autocast; trained weights stay float32): auto "
                     "(bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     device: str = _f("auto", "auto (cuda when available), cpu, cuda, cuda:N")
-    threads: int | None = _f(None, "CPU threads for torch (None: 1 for the tiny model, whose small matmuls gain "
-                             "nothing from more and stall when the machine is busy; torch's default otherwise); at most the CPUs this "
-                             "process may use")
+    threads: int | None = _f(None, "CPU threads for torch, at most the CPUs this process may use (None: 1 for the "
+                             "tiny model, whose small matmuls gain nothing from more and stall when the machine is "
+                             "busy; torch's default otherwise)")
     impl: str = _f("auto", "kernel path of the fused ops: auto (triton on CUDA), torch, triton, reference")
     lora_r: int = _f(0, "LoRA rank (0: train every parameter); the reference model is then the base with the "
                      "adapters disabled (needs peft)")

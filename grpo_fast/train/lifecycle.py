@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import signal
 import threading
 import time
@@ -306,16 +305,6 @@ def save_checkpoint(run: Run, directory: Path) -> Path:
     return path
 
 
-def _remove_partial_exports(out_dir: Path) -> None:
-    """Deletes the ``.model.<pid>.tmp`` directories a run killed while writing its ``model/`` left behind."""
-    stale = sorted(Path(out_dir).glob(f".{MODEL_DIR}.*.tmp"))
-    for p in stale:
-        shutil.rmtree(p, ignore_errors=True)
-    if stale:
-        logger.warning("removed %d partial %s/ export(s) left by an interrupted run: %s", len(stale), MODEL_DIR,
-                       ", ".join(p.name for p in stale))
-
-
 def _save_before_failed_step(run: Run, ckpt_dir: Path, sampler_state: dict, rng_state: dict) -> Path | None:
     """The checkpoint ``--resume`` continues from after a step that failed before its update: the last completed
     step, with the sampler and RNG states from before the failed step (saved now unless a checkpoint of that step
@@ -396,6 +385,9 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
         stale = ckpt.remove_stale_temporaries(directory)
         if stale:
             logger.warning("removed %d partial checkpoint(s) left by an interrupted save", len(stale))
-        _remove_partial_exports(directory.parent)
+        stale = ckpt.remove_stale_temporaries(directory.parent, f".{MODEL_DIR}.*.tmp")  # a killed model/ export
+        if stale:
+            logger.warning("removed %d partial %s/ export(s) left by an interrupted run: %s", len(stale), MODEL_DIR,
+                           ", ".join(p.name for p in stale))
     logger.info("resumed from %s (step %d)", path, step)
     return True

@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 
 from grpo_fast import fused_logprobs
-from grpo_fast.dtypes import DTYPES
 from grpo_fast.bnb_layout import keep_training_layout
+from grpo_fast.dtypes import DTYPES
 from grpo_fast.train.checkpoint import check_weights
 from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.forward import decoder_of, head_of, position_ids_from_mask, unwrap

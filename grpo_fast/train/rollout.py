@@ -14,14 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_fast.bnb_layout import inference_layout, packed_generation
 from grpo_fast.train import distributed as dist_
-from grpo_fast.bnb_layout import inference_layout, linear4bit_layers, packed_generation
 from grpo_fast.train.data import render_prompt
 from grpo_fast.train.forward import position_ids_from_mask, unwrap
 from grpo_fast.train.model import autocast
 
 logger = logging.getLogger("grpo_fast.train")
-_LOGGED: weakref.WeakSet = weakref.WeakSet()  # the models whose 4-bit generation layout the log has named
+# model -> whether its generations run in bitsandbytes' repacked layout: decided (and logged) once per run, not at
+# every evaluation's engine
+_LAYOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -282,12 +284,13 @@ class HFEngine:
         self.run = run
         # a 4-bit base of a bf16 run on an AVX512-BF16 CPU samples in bitsandbytes' CPU inference layout (faster, bf16
         # like the run) and trains in its own layout (grpo_fast.bnb_layout)
-        self.packed_4bit, why = packed_generation(unwrap(run.model), run.device, run.dtype)
         model = unwrap(run.model)
-        if linear4bit_layers(model) and model not in _LOGGED:  # once per run, not per evaluation
-            _LOGGED.add(model)
-            logger.info("4-bit generation layout: %s (%s)",
-                        "repacked for inference" if self.packed_4bit else "the training layout", why)
+        if model not in _LAYOUTS:
+            _LAYOUTS[model], why = packed_generation(model, run.device, run.dtype)
+            if why is not None:
+                logger.info("4-bit generation layout: %s (%s)",
+                            "repacked for inference" if _LAYOUTS[model] else "the training layout", why)
+        self.packed_4bit = _LAYOUTS[model]
 
     def generate(self, prompt_ids, prompt_mask, group_size: int, params: SamplingParams, *, eos_token_id,
                  pad_token_id: int, seed: int) -> Rollout:
