@@ -32,7 +32,10 @@ def _judge(test: str, *values) -> str | None:
      [("exec", "import math"), ("eval", "f(1)")]),
     ("assert not is_prime(9)", [("eval", "is_prime(9)")]),  # the sandbox never sees the `not`
     ("assert Stack([1]).pop() == 1", [("eval", "Stack([1]).pop()")]),  # calls on the completion's values: the hole
-    ("assert f(x)[0] == 1 and f(x).count(3) == 2", [("eval", "f(x)[0]"), ("eval", "f(x).count(3)")]),
+    # a method of the plain types on the completion's value: the sandbox sends the value, the parent calls the method
+    ("assert f(x)[0] == 1 and f(x).count(3) == 2", [("eval", "f(x)[0]"), ("eval", "f(x)")]),
+    ("assert f('abc').startswith('a')", [("eval", "f('abc')")]),
+    ("assert f(x).split(',')[0] == 'a'", [("eval", "f(x)")]),
     ("assert sorted(f(x)).count(3) == 2", [("eval", "f(x)")]),  # a method of a value the parent made: the parent's
     ("assert all(isinstance(v, int) for v in f(3))", [("eval", "f(3)")]),
     ("assert sorted(f(x), key=lambda t: t[1]) == [(1, 1)]", [("eval", "f(x)")]),

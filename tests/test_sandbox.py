@@ -773,7 +773,7 @@ TEST_0, TEST_1 = b'{"i":0,"r":[["v",2]]}\n', b'{"i":1,"r":[["v",3],["v",4]]}\n'
 def test_the_report_is_the_results_in_order_or_nothing(stream, passed, status, broken):
     # what the parent makes of a report channel carrying `stream`, whole and cut anywhere, from a child that exited 0
     for chunk in (len(stream), 7):
-        reports = sandbox._Reports(sandbox.parse_tests(REPORT_TESTS, "tests"))
+        reports = sandbox._Reports(sandbox.parse_tests(REPORT_TESTS, "tests"), judge_s=5.0)
         for start in range(0, len(stream), chunk):
             reports.feed(stream[start : start + chunk])
         assert reports.broken is None if broken is None else reports.broken.startswith(broken), reports.broken

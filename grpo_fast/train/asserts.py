@@ -24,6 +24,20 @@ The rules, each one so that no test passes without the code under test producing
   ``False``: a truthy list or a ``1`` fails the check. A hole that raises, or whose value is not plain data, fails
   the check that uses it. The parent evaluates every hole a check names, even one Python would skip (``x or
   f(1)``), and an assert's message is never evaluated.
+* A method of the plain types (``_METHODS``: ``startswith``, ``count``, ``split``, ``get``...) called on the
+  completion's value is the parent's call: ``f('abc').startswith('a')`` sends ``f('abc')`` to the sandbox and calls
+  ``str.startswith`` here, so an object whose methods all answer True is not plain data and fails. A class of the
+  completion's own with a method of one of these names cannot be tested through it; other methods
+  (``Stack([1]).pop()``) run in the sandbox, on whatever the code made. Dunder attributes in a hole
+  (``f(2).__eq__(4)``) are refused when the test is read: compare the value itself.
+* A hole whose value is or holds a NaN (a float, or a part of a complex number, anywhere in it) fails every check
+  that uses it, unless it is the argument of ``math.isnan``, ``math.isinf`` or ``math.isfinite``. NaN compares False
+  with everything, so ``assert not f(3) < 0`` would otherwise pass for a NaN; a test that expects one says so with
+  ``math.isnan(f(3))``.
+* The parent's work is bounded whatever the values: every value arrives bounded (:mod:`~grpo_fast.train.plain_data`:
+  1 MiB encoded per test, ranges of at most 2**20 items), repetitions, ``range``, ``bytes(n)`` stop at 2**20 items,
+  ``join`` and ``replace`` at 2**24 characters, ``**`` and ``<<`` at 2**22 bits, a check at 10**6 steps, and
+  judging all of one run's tests at the run's wall-clock limit (:func:`judge`'s ``deadline``).
 * Refused when the test is read (``ValueError``, naming the test): a statement other than ``assert`` and ``import``
   (an assignment, a loop, a function, a ``try``: they would run in the sandbox, where the code under test can
   change what they compute; an ``assert`` inside them would be judged there); no assert at all; a hole that does
@@ -51,11 +65,12 @@ import builtins
 import math
 import operator
 import reprlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_fast.train.plain_data import check_hashes
+from grpo_fast.train.plain_data import MAX_RANGE_ITEMS, check_hashes
 
 __all__ = ["PARENT_BUILTINS", "PARENT_MODULES", "Check", "TestPlan", "judge", "parse_test", "parse_tests"]
 
@@ -93,11 +108,14 @@ _METHOD_NAMES = frozenset().union(*_METHODS.values())
 _HASHING_METHODS = frozenset({"difference", "intersection", "isdisjoint", "issubset", "issuperset",
                               "symmetric_difference", "union"})  # those that build a set of their arguments
 _SINGLETONS = (None, True, False, ...)
+_NAN_QUESTIONS = (math.isnan, math.isinf, math.isfinite)  # the calls whose argument may be NaN
 
 # Bounds on what the parent computes (the holes' values come from the code under test)
-_MAX_ITEMS = 1 << 20  # longest sequence a repetition or a range may make
+_MAX_ITEMS = MAX_RANGE_ITEMS  # longest sequence a repetition or a range may make (ranges from the sandbox likewise)
+_MAX_CHARS = 1 << 24  # longest string or bytes str.join and str.replace may make
 _MAX_BITS = 1 << 22  # largest int ** and << may make
 _MAX_STEPS = 1_000_000  # most expression nodes (lambda calls and comprehension items included) one check evaluates
+_CLOCK_STEPS = 4096  # how often (in steps) a check looks at the clock
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
@@ -131,13 +149,16 @@ class TestPlan:
     """One test, split: ``steps`` is what the sandbox runs, in order (``("exec", import statement)`` or
     ``("eval", hole expression)``; the ``eval`` steps' values come back, one per hole), ``checks`` what the parent
     evaluates over them; ``holes`` holds the hole expressions (for messages), ``names`` what the templates' free
-    names mean to the parent (its builtins and modules, and what the test imports from those)."""
+    names mean to the parent (its builtins and modules, and what the test imports from those), ``nan_asked`` the
+    holes the test asks about NaN (the argument of ``math.isnan``, ``math.isinf`` or ``math.isfinite``): the only
+    ones whose value may hold a NaN."""
 
     source: str
     steps: tuple[tuple[str, str], ...]
     checks: tuple[Check, ...]
     holes: tuple[str, ...]
     names: dict[str, Any]
+    nan_asked: frozenset[int] = frozenset()
 
 
 class _Refused(Exception):
@@ -178,6 +199,7 @@ class _Splitter:
         self._imports: dict[str, Any] = {}  # names the test's imports bind -> what the parent takes them for
         self._steps: list[tuple[str, str]] = []
         self._holes: list[str] = []
+        self._nan_asked: set[int] = set()
         for statement in body:
             if isinstance(statement, (ast.Import, ast.ImportFrom)):
                 self._bind_imports(statement)
@@ -200,7 +222,8 @@ class _Splitter:
                 names.pop(name, None)
             else:
                 names[name] = meaning
-        return TestPlan(source, tuple(self._steps), tuple(checks), tuple(self._holes), names)
+        return TestPlan(source, tuple(self._steps), tuple(checks), tuple(self._holes), names,
+                        frozenset(self._nan_asked))
 
     def _bind_imports(self, statement: ast.Import | ast.ImportFrom) -> None:
         for alias in statement.names:
@@ -254,8 +277,18 @@ class _Splitter:
             module = self._module_of(func.value, scope)
             if module is not None:
                 return func.attr in module
-            return func.attr in _METHOD_NAMES and not self._is_hole(func.value, scope)
+            return func.attr in _METHOD_NAMES  # also on a hole: the sandbox sends the value, the parent calls
         return isinstance(func, ast.Lambda)
+
+    def _nan_question(self, func: ast.expr, scope: frozenset[str]) -> bool:
+        """Whether ``func`` is one of the parent's functions that ask whether a value is NaN."""
+        if isinstance(func, ast.Name) and func.id not in scope:
+            meaning = self._parent_name(func.id)
+        elif isinstance(func, ast.Attribute) and self._module_of(func.value, scope) is not None:
+            meaning = self._module_of(func.value, scope).get(func.attr)
+        else:
+            return False
+        return any(meaning is fn for fn in _NAN_QUESTIONS)
 
     def _hole(self, node: ast.expr, scope: frozenset[str]) -> _Hole:
         """Make ``node`` a hole, unless it would run anything but the completion's code in the sandbox."""
@@ -266,6 +299,10 @@ class _Splitter:
         if scope:
             raise _Refused(f"{source!r} uses the code under test inside a lambda or a comprehension, which would be "
                            "evaluated in the sandbox (write one assert per case)")
+        for part in ast.walk(node):
+            if isinstance(part, ast.Attribute) and part.attr.startswith("__") and part.attr.endswith("__"):
+                raise _Refused(f"{source!r} calls {part.attr} in the sandbox, where the code under test answers it "
+                               "(compare the value itself: f(2) == 4, 3 in f(2))")
         why = ("the test imports it" if self._imports.get(root.id) is _LIBRARY else
                "the parent evaluates only the math functions of grpo_fast.train.asserts.PARENT_MODULES"
                if isinstance(self._parent_name(root.id), dict) else
@@ -298,7 +335,10 @@ class _Splitter:
                     func = ast.Attribute(split(func.value), func.attr, ast.Load())
                 elif isinstance(func, ast.Lambda):
                     func = split(func)
-                return ast.Call(func, [split(a) for a in args], [ast.keyword(k.arg, split(k.value)) for k in keywords])
+                call = ast.Call(func, [split(a) for a in args], [ast.keyword(k.arg, split(k.value)) for k in keywords])
+                if self._nan_question(func, scope) and len(call.args) == 1 and isinstance(call.args[0], _Hole):
+                    self._nan_asked.add(call.args[0].index)
+                return call
             case ast.Subscript(value=value, slice=index):
                 return ast.Subscript(split(value), split(index), ast.Load())
             case ast.Slice(lower=lower, upper=upper, step=step):
@@ -377,15 +417,20 @@ class _Failed(Exception):
     """A check that fails; the message says why."""
 
 
-def judge(plan: TestPlan, values: list[tuple[str, Any]]) -> str | None:
+def judge(plan: TestPlan, values: list[tuple[str, Any]], deadline: float | None = None) -> str | None:
     """Evaluate a test's checks over the values the sandbox computed for its holes; None when every check passes,
     else why the first failing one failed.
 
     ``values[k]`` is the ``k``-th hole's outcome: ``("value", plain value)``, ``("raised", description)`` or
-    ``("not plain", description)``.
+    ``("not plain", description)``. A value that is or holds a NaN (a float, or a complex part, anywhere in it) fails
+    every check that uses it, unless the hole is the argument of ``math.isnan``, ``math.isinf`` or ``math.isfinite``:
+    NaN compares False with everything, so ``assert not f(3) < 0`` or ``assert not abs(f(2) - 4) > 1e-9`` would pass
+    for a NaN, and a policy that learns to return one must not gain reward where a test pins a number. Past
+    ``deadline`` (``time.monotonic()``), a check fails instead of going on.
     """
+    values = [_settle(outcome) for outcome in values]
     for check in plan.checks:
-        evaluator = _Evaluator(plan, values)
+        evaluator = _Evaluator(plan, values, deadline)
         try:
             result = evaluator.evaluate(check.template, {})
             if result is not True:
@@ -398,28 +443,75 @@ def judge(plan: TestPlan, values: list[tuple[str, Any]]) -> str | None:
     return None
 
 
-_REPR = reprlib.Repr()  # short reprs for messages (Python 3.11's Repr takes no keyword arguments)
+class _ShortRepr(reprlib.Repr):
+    """Short reprs for messages; an int too long for ``repr`` (Python refuses past 4300 digits) says its size."""
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 1000:
+            return f"<int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_REPR = _ShortRepr()  # Python 3.11's Repr takes no keyword arguments
 _REPR.maxstring = _REPR.maxother = 60
 
 
 def _short(value: Any) -> str:
-    return _REPR.repr(value)
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a message must never fail the judging
+        return f"<a {type(value).__name__}>"
+
+
+_LIST_ITERATOR = type(iter([]))
+
+
+def _settle(outcome: tuple[str, Any]) -> tuple[str, Any]:
+    """A hole's outcome with a value holding a NaN marked ``"nan"``; an iterator is drained and handed on afresh."""
+    kind, value = outcome
+    if kind != "value":
+        return outcome
+    if type(value) is _LIST_ITERATOR:
+        items = list(value)
+        return ("nan" if _holds_nan(items) else "value"), iter(items)
+    return ("nan" if _holds_nan(value) else "value"), value
+
+
+def _holds_nan(value: Any) -> bool:
+    """Whether a plain value is or holds a NaN (iteratively: the value's nesting is bounded, its size is not small)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        kind = type(item)
+        if kind is float:
+            if item != item:
+                return True
+        elif kind is complex:
+            if item != item:
+                return True
+        elif kind is dict:
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif kind in (list, tuple, set, frozenset):
+            pending.extend(item)
+    return False
 
 
 class _Evaluator:
     """Evaluates a check's template over plain values, with the parent's own builtins."""
 
-    def __init__(self, plan: TestPlan, values: list[tuple[str, Any]]) -> None:
+    def __init__(self, plan: TestPlan, values: list[tuple[str, Any]], deadline: float | None) -> None:
         self._plan = plan
         self._values = values
         self._used: list[int] = []
         self._steps = 0
         self._names = plan.names
+        self._deadline = deadline
 
     def seen(self) -> str:
         """The values of the holes evaluated so far, for the message."""
         shown = [f"{self._plan.holes[k]} = {_short(self._values[k][1])}" for k in dict.fromkeys(self._used)
-                 if self._values[k][0] == "value"]
+                 if self._values[k][0] in ("value", "nan") and type(self._values[k][1]) is not _LIST_ITERATOR]
         return f" (with {', '.join(shown)})" if shown else ""
 
     def _truth(self, value: Any) -> bool:
@@ -431,6 +523,8 @@ class _Evaluator:
         self._steps += 1
         if self._steps > _MAX_STEPS:
             raise _Failed(f"the check took more than {_MAX_STEPS} steps")
+        if self._deadline is not None and self._steps % _CLOCK_STEPS == 1 and time.monotonic() > self._deadline:
+            raise _Failed("judging the run's tests took longer than its time limit")
 
     def evaluate(self, node: ast.expr, env: dict[str, Any]) -> Any:
         self._tick()
@@ -439,7 +533,10 @@ class _Evaluator:
             case _Hole(index=index):
                 kind, value = self._values[index]
                 self._used.append(index)
-                if kind != "value":
+                if kind == "nan" and index not in self._plan.nan_asked:
+                    raise _Failed(f"{self._plan.holes[index]} is or holds a NaN, which fails every check but "
+                                  "math.isnan, math.isinf and math.isfinite of it")
+                if kind not in ("value", "nan"):
                     raise _Failed(f"{self._plan.holes[index]} {kind}: {value}")
                 return value
             case ast.Constant(value=value):
@@ -553,6 +650,13 @@ class _Evaluator:
             raise _Failed("the parent calls type(x) with one argument only")
         if fn is round and len(args) > 1 and type(args[1]) is int and abs(args[1]) > 10_000:
             raise _Failed("round to more than 10000 digits")
+        if fn is bytes and args and type(args[0]) in (int, bool) and args[0] > _MAX_ITEMS:
+            raise _Failed(f"bytes({args[0]}) would make more than {_MAX_ITEMS} bytes")
+        receiver = getattr(fn, "__self__", None)
+        if type(receiver) in (str, bytes) and fn.__name__ in ("join", "replace"):
+            if fn.__name__ == "join" and args:
+                args = [list(args[0]), *args[1:]]  # a lazy iterable is measured before it is joined
+            _check_text_size(receiver, fn.__name__, args)
         return fn(*args, **kwargs)
 
     def _lambda(self, params: list[str], body: ast.expr, env: dict[str, Any]) -> Callable:
@@ -580,6 +684,25 @@ class _Evaluator:
                 inner.update(zip(names, items))
             if all(self._truth(self.evaluate(condition, inner)) for condition in gen.ifs):
                 yield from self._loops(generators, i + 1, inner)
+
+
+def _check_text_size(receiver: str | bytes, method: str, args: list) -> None:
+    """Refuse a ``join`` or ``replace`` whose result would pass :data:`_MAX_CHARS` (each side may come from the code
+    under test: ``sep.join(parts)`` is about ``len(sep) * len(parts)``, ``s.replace(old, new)`` up to ``len(new)``
+    per match)."""
+    if method == "join" and args:
+        pieces = args[0]
+        size = len(receiver) * max(len(pieces) - 1, 0) + sum(len(p) for p in pieces if type(p) is type(receiver))
+    elif method == "replace" and len(args) >= 2 and all(type(a) is type(receiver) for a in args[:2]):
+        old, new = args[0], args[1]
+        matches = receiver.count(old) if old else len(receiver) + 1
+        if len(args) > 2 and type(args[2]) is int and args[2] >= 0:
+            matches = min(matches, args[2])
+        size = len(receiver) + matches * (len(new) - len(old))
+    else:
+        return
+    if size > _MAX_CHARS:
+        raise _Failed(f"a {method} of more than {_MAX_CHARS} characters")
 
 
 def _check_size(op: ast.operator, a: Any, b: Any) -> None:

@@ -13,6 +13,12 @@ array; every other value is a one-key object: ``{"int": hex}``, ``{"complex": [r
 ``{"tuple": [...]}``, ``{"set": [...]}``, ``{"frozenset": [...]}``, ``{"dict": [[key, value], ...]}``,
 ``{"range": [start, stop, step]}``, ``{"iter": [...]}``.
 
+Every value is bounded whatever the child sends: a test's values take at most :data:`MAX_VALUE_CHARS` characters
+encoded (so a list holds fewer than a million items), containers nest at most :data:`MAX_DEPTH` deep, a range holds
+at most :data:`MAX_RANGE_ITEMS` items (its JSON is short whatever its length) and sets and dicts at most
+:data:`MAX_SHARED_HASH` members sharing a hash. What the parent computes over them is bounded in turn
+(:mod:`grpo_fast.train.asserts`).
+
 The sandbox's child (``python -I -S``, where grpo_fast is not importable) imports this file as a top-level module, so
 it uses the standard library only, and at import time defines constants and functions and nothing else.
 """
@@ -27,6 +33,10 @@ LINE_OVERHEAD = 1024
 # The most distinct members of one set (or keys of one dict) that may share a hash. Hashes of ints, floats and tuples
 # are not randomised, so values chosen to collide would make building the set take quadratic time in the parent.
 MAX_SHARED_HASH = 8
+# The most items a range may hold. The JSON of a range is three ints whatever its length, so without this bound a
+# range(10**18) would reach the parent whole, and max() or list() over it would stall or fill the parent; 2**20 is
+# also the longest range the parent makes itself (grpo_fast.train.asserts).
+MAX_RANGE_ITEMS = 1 << 20
 
 _SMALL_INT = 1 << 63
 _TAGS = ("int", "complex", "bytes", "tuple", "set", "frozenset", "dict", "range", "iter")
@@ -80,6 +90,8 @@ def to_tree(value, budget: Budget, depth: int = 0):
         ends = (value.start, value.stop, value.step)
         if not all(-_SMALL_INT < end < _SMALL_INT for end in ends):
             raise NotPlain("a range with ends beyond 2**63")
+        if len(value) > MAX_RANGE_ITEMS:
+            raise NotPlain(f"a range of {len(value)} items, more than {MAX_RANGE_ITEMS}")
         budget.spend(80)
         return {"range": list(ends)}
     if depth >= MAX_DEPTH:
@@ -155,9 +167,12 @@ def from_tree(tree, depth: int = 0):
             raise ValueError(f"complex takes [real, imag], got {body!r:.100}")
         return complex(*body)
     if tag == "range":
-        if len(body) != 3 or any(type(part) is not int for part in body):
+        if len(body) != 3 or any(type(part) is not int for part in body) or body[2] == 0:
             raise ValueError(f"range takes [start, stop, step], got {body!r:.100}")
-        return range(*body)
+        made = range(*body)
+        if len(made) > MAX_RANGE_ITEMS:
+            raise ValueError(f"a range of {len(made)} items, more than {MAX_RANGE_ITEMS}")
+        return made
     items = [from_tree(item, depth + 1) for item in body]
     try:
         if tag == "dict":

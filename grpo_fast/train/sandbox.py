@@ -347,11 +347,13 @@ class _Reports:
     why}`` when its imports raised). Each test's outcomes are judged (:func:`~grpo_fast.train.asserts.judge`) as
     its line arrives. Anything else (a line that does not parse, one out of order or of the wrong length, one past
     the last test, one longer than a test's values may take) breaks the report, and a broken report fails every
-    test: a child that was taken over gains nothing by writing to the channel.
+    test: a child that was taken over gains nothing by writing to the channel. Judging all the tests of a run may
+    take the parent ``judge_s`` seconds in all; a check still running past them fails (as do the ones after it).
     """
 
-    def __init__(self, plans: list[TestPlan]) -> None:
+    def __init__(self, plans: list[TestPlan], judge_s: float) -> None:
         self._plans = plans
+        self._judge_left = judge_s  # the parent's own time for judging, whatever the values make it compute
         self._pending = bytearray()  # the start of a line the child has not ended yet
         self.layers: tuple[str, ...] = ()
         self.code: str | None = None  # "ok" or "error", once the child has said
@@ -425,7 +427,9 @@ class _Reports:
             except (ValueError, RecursionError) as e:
                 self.broken = f"test {index}'s values do not parse: {e}"
                 return
-            self.failures.append(judge(plan, values))
+            started = time.monotonic()
+            self.failures.append(judge(plan, values, deadline=started + max(self._judge_left, 0.0)))
+            self._judge_left -= time.monotonic() - started
         else:
             self.broken = f"test {index}'s line is not {len(plan.holes)} outcomes"
 
@@ -514,7 +518,7 @@ def _run_plans(
         finally:
             os.close(channel_write)  # the child holds the only write end now: end of file means it is gone
         with proc:
-            reports = _Reports(plans)
+            reports = _Reports(plans, limits.timeout_s)
             streams = _Streams(proc, channel_read, reports)
             try:
                 stopped = _supervise(proc, streams, reports, limits, workdir)
