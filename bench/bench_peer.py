@@ -286,9 +286,11 @@ def save_initial_model(directory, seed: int) -> str:
     return str(directory)
 
 
-def build_trl_trainer(cfg, model_dir: str, output_dir: str, callbacks=(), records: list | None = None):
+def build_trl_trainer(cfg, model_dir: str, output_dir: str, callbacks=(), records: list | None = None,
+                      **trainer_kwargs):
     """TRL's ``GRPOTrainer`` for the run ``cfg`` describes, on the model saved in ``model_dir``; ``records``: these
-    training records in this order (TRL's shuffle off) instead of the task's, shuffled by TRL."""
+    training records in this order (TRL's shuffle off) instead of the task's, shuffled by TRL; ``trainer_kwargs``:
+    more arguments of ``GRPOTrainer`` (``rollout_func``)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -305,6 +307,7 @@ def build_trl_trainer(cfg, model_dir: str, output_dir: str, callbacks=(), record
                                         else records),
         processing_class=tiny_tokenizer(),  # not AutoTokenizer: that would rebuild Qwen2's BPE (tests/trl_fixtures)
         callbacks=list(callbacks),
+        **trainer_kwargs,
     )
 
 

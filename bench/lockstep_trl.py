@@ -157,7 +157,7 @@ def record_trl(trainer, generations: int, keep_order: bool = False) -> list[Step
         step.records = [dict(r) for r in inputs[::G]]
         result = original["_generate_and_score_completions"](inputs)
         for k in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
-                  "ref_per_token_logps", "old_per_token_logps"):
+                  "ref_per_token_logps", "old_per_token_logps", "tool_mask"):
             if result.get(k) is not None:
                 step.tensors[k] = _clone(result[k])
         step.tensors["num_items_in_batch"] = _clone(result["num_items_in_batch"])
@@ -167,7 +167,10 @@ def record_trl(trainer, generations: int, keep_order: bool = False) -> list[Step
     def generate(prompts):
         with phase(positions, "generate"):
             result = original["_generate"](prompts)
-        prefill, mask = positions.take("generate")[0]
+        taken = positions.take("generate")
+        if not taken:  # a rollout_func made the completions: TRL ran no prefill
+            return result
+        prefill, mask = taken[0]
         G = trainer.num_generations
         out[-1].positions["generate"] = (absolute_positions(prefill[::G], mask[::G]),
                                          relative_positions(prefill[::G], mask[::G]))
@@ -236,9 +239,11 @@ def record_trl(trainer, generations: int, keep_order: bool = False) -> list[Step
     return out
 
 
-def replay_grpo_fast(run, trl_steps: list[Step]) -> list[Step]:
+def replay_grpo_fast(run, trl_steps: list[Step], train_tool_tokens: bool = False) -> list[Step]:
     """Runs grpo-fast's ``train_step`` once per TRL generation, with TRL's prompts (in TRL's order) and TRL's sampled
-    completions injected in place of its own rollout; returns what each step computed."""
+    completions injected in place of its own rollout; returns what each step computed. A TRL rollout with a tool mask
+    is replayed as a multi-turn rollout (``Rollout.loss_mask``); ``train_tool_tokens`` plants the bug the comparison
+    must catch: the loss mask left out, so the tool tokens are trained."""
     from grpo_fast.train import trainer as T
     from grpo_fast.train.rollout import Rollout, SamplingParams, encode_prompts, generate
 
@@ -256,9 +261,11 @@ def replay_grpo_fast(run, trl_steps: list[Step]) -> list[Step]:
                         pad_token_id=run_.tokenizer.pad_token_id, generator=torch.Generator().manual_seed(0))
         prefill, _ = positions.take("generate")[0]
         out[-1].positions["generate"] = (absolute_positions(prefill, mask), relative_positions(prefill, mask))
+        tool_mask = t.get("tool_mask")
+        loss_mask = None if tool_mask is None or train_tool_tokens else t["completion_mask"] * tool_mask
         ro = Rollout(prompt_ids=t["prompt_ids"], prompt_mask=t["prompt_mask"], completion_ids=t["completion_ids"],
                      completion_mask=t["completion_mask"], sampling_logps=torch.zeros(t["completion_ids"].shape),
-                     group_size=group_size)
+                     group_size=group_size, loss_mask=loss_mask)
         texts = run_.tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
         return ro, texts
 
@@ -384,6 +391,8 @@ def compare(trl_steps: list[Step], ours: list[Step], tokenizer) -> list[Row]:
         for name, what in (("generate", "position ids in generation (prompt prefill)"),
                            ("train", "position ids in the training forward")):
             tpos, opos = t.positions.get(name), o.positions.get(name)
+            if tpos is None:  # TRL's completions came from a rollout_func: no prefill of its own to compare
+                continue
             if name == "train":  # row -> (absolute, relative): in row order
                 tpos, opos = ([list(zip(*(d[i] for i in sorted(d)))) for d in (tpos, opos)])
             relative_same = tpos[1] == opos[1]
@@ -397,8 +406,13 @@ def compare(trl_steps: list[Step], ours: list[Step], tokenizer) -> list[Row]:
         ids = t.tensors["completion_ids"]
         eos = torch.isin(ids, torch.tensor([tokenizer.eos_token_id]))
         our_mask = (torch.cumsum(eos.long(), 1) - eos.long() == 0).long()  # up to and including the first EOS
-        rows.append(Row(k, "completion mask (grpo-fast's stop rule on TRL's tokens)",
-                        float((our_mask != cm.long()).sum()), 0.0, "EOS kept in the mask, nothing after it"))
+        if t.positions.get("generate") is not None:  # scripted completions (rollout_func) were cut, not stopped
+            rows.append(Row(k, "completion mask (grpo-fast's stop rule on TRL's tokens)",
+                            float((our_mask != cm.long()).sum()), 0.0, "EOS kept in the mask, nothing after it"))
+        if "tool_mask" in t.tensors:
+            trained = cm.long() * t.tensors["tool_mask"].long()
+            rows.append(Row(k, "trained tokens (TRL's completion_mask x tool_mask)", float(trained.sum()), math.inf,
+                            f"{int(cm.sum()) - int(trained.sum())} tool tokens of {int(cm.sum())} masked out"))
         rows.append(Row(k, "rewards", _diff(o.tensors["rewards"], t.tensors["rewards"]), 0.0))
         rows.append(Row(k, "advantages", _diff(o.tensors["advantages"], t.tensors["advantages"]),
                         _tol(t.tensors["advantages"])))
@@ -451,20 +465,64 @@ def split_dependent(cfg) -> bool:
     return cfg.token_mean == "micro_batch" and (cfg.loss.loss_type.value == "bnpo" or cfg.loss.entropy_coef != 0.0)
 
 
-def lockstep(steps: int = 4, seed: int = 0, overrides: dict | None = None) -> list[Row]:
-    """Both trainers from the same saved weights and options; TRL's rollouts replayed through grpo-fast's loop."""
+def lockstep(steps: int = 4, seed: int = 0, overrides: dict | None = None, tool_turns: bool = False,
+             train_tool_tokens: bool = False) -> list[Row]:
+    """Both trainers from the same saved weights and options; TRL's rollouts replayed through grpo-fast's loop.
+
+    ``tool_turns``: TRL's rollouts are multi-turn ones, from a ``rollout_func`` (:func:`tool_rollout`) whose
+    completions hold tool spans that TRL's ``env_mask`` (its ``tool_mask``) hides from the loss, scored by
+    :func:`varied_reward`; grpo-fast replays them with the same loss mask (``train_tool_tokens``: without it, the bug
+    the comparison must catch)."""
     from grpo_fast.train.trainer import setup
 
     values = {**LOCKSTEP_DEFAULTS, **(overrides or {})}
+    if tool_turns:
+        values.setdefault("rewards", "bench.lockstep_trl:varied_reward")
     torch.set_num_threads(int(values["threads"]))
     with tempfile.TemporaryDirectory(prefix="lockstep_") as tmp:
         model_dir = bench_peer.save_initial_model(Path(tmp) / "model", seed)
         cfg = bench_peer.default_config(steps, seed, str(Path(tmp) / "grpo_fast"), **values)
-        trainer = bench_peer.build_trl_trainer(cfg, model_dir, str(Path(tmp) / "trl"))
+        extra = {"rollout_func": tool_rollout(cfg.max_new_tokens, seed)} if tool_turns else {}
+        trainer = bench_peer.build_trl_trainer(cfg, model_dir, str(Path(tmp) / "trl"), **extra)
         trl_steps = record_trl(trainer, steps, keep_order=split_dependent(cfg))
         run = setup(bench_peer.default_config(steps, seed, str(Path(tmp) / "grpo_fast"), **values, model=model_dir))
-        ours = replay_grpo_fast(run, trl_steps)
+        ours = replay_grpo_fast(run, trl_steps, train_tool_tokens)
         return compare(trl_steps, ours, run.tokenizer)
+
+
+def varied_reward(prompts, completions, **kwargs):
+    """A reward that varies within a group whatever the tokens (distinct characters, mod 3), so that scripted
+    completions give non-zero advantages."""
+    return [float(len(set(c)) % 3) for c in completions]
+
+
+def tool_rollout(max_completion_length: int, seed: int = 0):
+    """A TRL ``rollout_func`` of scripted multi-turn completions: per prompt, a length in [2, max], random word ids,
+    about half ending in EOS (id 1) when shorter than the maximum, and one or two contiguous tool spans (``env_mask``
+    0) after the first token, as tool results sit between the model's turns. Build one per trainer: the call counter
+    is part of the seed."""
+    calls = iter(range(1 << 62))
+
+    def rollout(prompts, trainer):
+        gen = torch.Generator().manual_seed(seed * 100_003 + next(calls))
+        tokenizer = trainer.processing_class
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        completion_ids, masks = [], []
+        for _ in prompts:
+            n = int(torch.randint(2, max_completion_length + 1, (1,), generator=gen))
+            ids = torch.randint(3, len(tokenizer), (n,), generator=gen).tolist()
+            if n < max_completion_length and bool(torch.rand((), generator=gen) < 0.5):
+                ids[-1] = tokenizer.eos_token_id
+            mask = [1] * n
+            for _ in range(int(torch.randint(1, 3, (1,), generator=gen))):
+                start = int(torch.randint(1, n, (1,), generator=gen))
+                length = int(torch.randint(1, max(2, n // 3), (1,), generator=gen))
+                mask[start : start + length] = [0] * len(mask[start : start + length])
+            completion_ids.append(ids)
+            masks.append(mask)
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None, "env_mask": masks}
+
+    return rollout
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -44,7 +44,11 @@ class Rollout:
     prompt_ids/prompt_mask: ``[B*G, P]`` left-padded; completion_ids/completion_mask: ``[B*G, T]`` right-padded, the
     EOS token included in the mask; sampling_logps: ``[B*G, T]`` float32, ``log softmax(z / temperature)`` of each
     sampled token (the ``hf`` engine: before top-k/top-p filtering, the distribution the loss's ``temperature``
-    reproduces; the ``vllm`` engine: vLLM's processed log-probs, renormalised over the tokens a filter keeps).
+    reproduces; the ``vllm`` engine: vLLM's processed log-probs, renormalised over the tokens a filter keeps), 0 on
+    tokens the model did not sample. ``completion_mask`` is what attention sees (every real token); ``loss_mask``
+    (multi-turn rollouts: ``grpo_fast.agents``) is 1 on the tokens the model sampled and 0 on tool and environment
+    tokens, which are context, never trained; None means ``completion_mask``. Every count and average over tokens
+    (the loss's normaliser, KL, entropy, the importance-sampling correction, lengths) uses :attr:`trained_mask`.
     """
 
     prompt_ids: torch.Tensor
@@ -53,10 +57,17 @@ class Rollout:
     completion_mask: torch.Tensor
     sampling_logps: torch.Tensor
     group_size: int
+    loss_mask: torch.Tensor | None = None
+
+    @property
+    def trained_mask(self) -> torch.Tensor:
+        """The tokens the loss trains: ``loss_mask`` when the rollout has one, else ``completion_mask``."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def completion_lengths(self) -> torch.Tensor:
-        return self.completion_mask.sum(dim=1)
+        """Tokens per row that the model sampled (TRL's completion length: tool tokens not counted)."""
+        return self.trained_mask.sum(dim=1)
 
 
 def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -64,6 +75,8 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
     completions on the right, to the longest of all."""
     if len(parts) == 1:
         return parts[0]
+    if len({r.loss_mask is None for r in parts}) > 1:
+        raise ValueError("concat_rollouts: some parts have a loss mask and some do not")
     P = max(r.prompt_ids.shape[1] for r in parts)
     T = max(r.completion_ids.shape[1] for r in parts)
 
@@ -78,6 +91,7 @@ def concat_rollouts(parts: list[Rollout], pad_token_id: int) -> Rollout:
         completion_mask=torch.cat([pad(r.completion_mask, T, 0, False) for r in parts]),
         sampling_logps=torch.cat([pad(r.sampling_logps, T, 0.0, False) for r in parts]),
         group_size=parts[0].group_size,
+        loss_mask=None if parts[0].loss_mask is None else torch.cat([pad(r.loss_mask, T, 0, False) for r in parts]),
     )
 
 
@@ -143,11 +157,16 @@ def generate(
     eos_token_id: int | list[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    turns=None,
 ) -> Rollout:
     """Sample ``group_size`` completions for each of the ``B`` left-padded prompts ``[B, P]``.
 
     A row stops at its first EOS (kept, and masked in) or after ``max_new_tokens``; later positions hold
     ``pad_token_id`` and mask 0. The loop ends as soon as every row has stopped.
+
+    ``turns`` (:class:`grpo_fast.agents.turns.ToolTurns`) makes the rollout multi-turn: it decides at each step which
+    rows feed tool tokens instead of sampling and which rows are done (a row then stops at its last turn, not its
+    first EOS), and the result carries a ``loss_mask`` with 0 on the fed tokens.
     """
     device = prompt_ids.device
     eos = torch.as_tensor([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, device=device)
@@ -170,15 +189,21 @@ def generate(
         next_pos = prompt_mask.sum(dim=1).repeat_interleave(group_size)
 
         rows = attn.shape[0]
-        tokens, logps, alive_steps = [], [], []
+        tokens, logps, alive_steps, sampled_steps = [], [], [], []
         alive = torch.ones(rows, dtype=torch.bool, device=device)
         for step in range(params.max_new_tokens):
             token, logp = _next_token(logits, params, generator)
+            if turns is not None:
+                token, logp, sampled = turns.choose(token, logp)
+                sampled_steps.append(sampled & alive)
             token = torch.where(alive, token, pad_token_id)
             tokens.append(token)
             logps.append(torch.where(alive, logp, 0.0))
             alive_steps.append(alive)
-            alive = alive & ~torch.isin(token, eos)
+            if turns is not None:
+                alive = alive & ~turns.after(token, sampled, alive)
+            else:
+                alive = alive & ~torch.isin(token, eos)
             if not alive.any() or step == params.max_new_tokens - 1:
                 break
             attn = torch.cat([attn, torch.ones_like(attn[:, :1])], dim=1)
@@ -202,6 +227,7 @@ def generate(
         completion_mask=completion_mask,
         sampling_logps=torch.stack(logps, dim=1).float(),
         group_size=group_size,
+        loss_mask=None if turns is None else torch.stack(sampled_steps, dim=1).to(prompt_mask.dtype),
     )
 
 

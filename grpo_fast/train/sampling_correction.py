@@ -80,7 +80,7 @@ def run_correction(run, ro, old_logps) -> tuple[torch.Tensor, dict]:
     ``run.config``'s options, and TRL's five metrics over every rank's completions (means averaged over the ranks, as
     TRL does; min and max over all of them)."""
     cfg = run.config
-    ratio, metrics = importance_sampling_ratio(old_logps, ro.sampling_logps, ro.completion_mask,
+    ratio, metrics = importance_sampling_ratio(old_logps, ro.sampling_logps, ro.trained_mask,
                                                cfg.vllm_importance_sampling_mode, cfg.vllm_importance_sampling_clip_min,
                                                cfg.vllm_importance_sampling_clip_max)
     if run.world.distributed:

@@ -136,7 +136,7 @@ def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps, sampl
     """
     cfg, world = run.config, run.world
     total_rows, total_tokens = dist_.sum_across(
-        [float(ro.completion_ids.shape[0]), float(ro.completion_mask.sum())], world, run.device)
+        [float(ro.completion_ids.shape[0]), float(ro.trained_mask.sum())], world, run.device)
     run.optimizer.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     finite = True
@@ -157,7 +157,7 @@ def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps, sampl
             value = getattr(out, name)
             if value is not None:
                 _accumulate(sums, name, float(value) * share)
-        mask = ro.completion_mask[rows, tcols]
+        mask = ro.trained_mask[rows, tcols]
         logp_gap += float(((out.per_token_logps - ro.sampling_logps[rows, tcols]).abs() * mask).sum())
     grad_norm = float("nan")
     if dist_.all_true(finite, world, run.device):
@@ -290,7 +290,7 @@ def _micro_batch_loss(model, run: Run, ro: Rollout, rows, pcols, tcols, advantag
     hidden, weight, bias, _ = hidden_and_head(run, model, ro, rows, pcols, tcols)
     if not torch.isfinite(hidden).all():
         return (hidden.float().sum() + weight.float().sum()) * float("nan"), None, 0.0
-    mask = ro.completion_mask[rows, tcols]
+    mask = ro.trained_mask[rows, tcols]  # tool tokens are context: attended to, never trained
     tokens = float(mask.sum())
     share = tokens / max(total_tokens, 1.0)  # the micro-batch's share of the generation's tokens (metrics)
     token_weight = token_mean_weight(run.config.token_mean, tokens, total_tokens, micro_batches)
