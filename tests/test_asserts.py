@@ -1,5 +1,5 @@
-"""The code reward's tests as the trusted parent reads and judges them (grpo_fast.train.asserts), and the plain data
-that is all the sandbox may send back (grpo_fast.train.plain_data). No sandbox runs here: tests/test_sandbox.py runs
+"""The code reward's tests as the trusted parent reads and judges them (grpo_fast.sandbox.asserts), and the plain data
+that is all the sandbox may send back (grpo_fast.sandbox.plain_data). No sandbox runs here: tests/test_sandbox.py runs
 completions, hostile ones included, against these rules."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from grpo_fast.train import plain_data
-from grpo_fast.train.asserts import judge, parse_test
+from grpo_fast.sandbox import plain_data
+from grpo_fast.sandbox.asserts import judge, parse_test
 from grpo_fast.train.data import load_records
 
 

@@ -26,6 +26,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # needs) is public API too (grpo_fast re-exports it lazily)
     ("public API", ("grpo_fast", "grpo_fast.logprobs", "grpo_fast.loss", "grpo_fast.advantages",
                     "grpo_fast.train.forward", "grpo_fast.train.shared_prefix")),
+    # subsystems the trainer builds on: the code sandbox (the code reward, the python tool) and tool-calling agents
+    ("subsystems", ("grpo_fast.sandbox", "grpo_fast.agents")),
     ("applications", ("grpo_fast.train", "grpo_fast.integrations", "grpo_fast.ppo", "grpo_fast.memory",
                       "grpo_fast.doctor", "grpo_fast.bnb_layout")),
     ("command line", ("grpo_fast.cli", "grpo_fast.__main__")),

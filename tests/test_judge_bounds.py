@@ -3,7 +3,7 @@ whatever the child hands back, NaN earning nothing where a test pins a number, a
 completion's value judged by the parent.
 
 The end-to-end cases run a real sandbox (Linux); the judge-level ones feed values straight to
-:func:`grpo_fast.train.asserts.judge`, as a child that was taken over could send them.
+:func:`grpo_fast.sandbox.asserts.judge`, as a child that was taken over could send them.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import tracemalloc
 
 import pytest
 
-from grpo_fast.train import plain_data
-from grpo_fast.train.asserts import judge, parse_test
-from grpo_fast.train.sandbox import SandboxLimits, run_tests
+from grpo_fast.sandbox import plain_data
+from grpo_fast.sandbox.asserts import judge, parse_test
+from grpo_fast.sandbox import SandboxLimits, run_tests
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox runs on Linux only")
 

@@ -118,7 +118,7 @@ def test_load_builtin_rewards():
 
 
 def test_load_builtin_code_reward():
-    sandbox = pytest.importorskip("grpo_fast.train.sandbox")
+    sandbox = pytest.importorskip("grpo_fast.sandbox")
     assert load_reward("code") is sandbox.code_reward
 
 

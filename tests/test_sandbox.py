@@ -21,9 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from grpo_fast.train import landlock, sandbox
-from grpo_fast.train.rewards import reward_metrics
-from grpo_fast.train.sandbox import (
+from grpo_fast import sandbox
+from grpo_fast.sandbox import (
     STATUSES,
     TEMP_PREFIX,
     SandboxLimits,
@@ -35,6 +34,8 @@ from grpo_fast.train.sandbox import (
     run_tests,
     sandbox_metrics,
 )
+from grpo_fast.sandbox import landlock
+from grpo_fast.train.rewards import reward_metrics
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox runs on Linux only")
 

@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from grpo_fast.train.asserts import parse_tests
-from grpo_fast.train.sandbox import json_test_list
+from grpo_fast.sandbox.asserts import parse_tests
+from grpo_fast.sandbox import json_test_list
 
 Prompt = str | list[dict[str, str]]
 

@@ -8,7 +8,7 @@ column arrives as a keyword argument holding one value per completion (``answer=
 :func:`compute_rewards` turns it into NaN, which the group advantages skip.
 
 Built-ins (:data:`BUILTIN_REWARDS`): ``math`` (:func:`math_reward`), ``exact`` (:func:`exact_reward`), ``format``
-(:func:`format_reward`) and ``code`` (``grpo_fast.train.sandbox.code_reward``). :func:`load_reward` resolves those names as well as user
+(:func:`format_reward`) and ``code`` (``grpo_fast.sandbox.code_reward``). :func:`load_reward` resolves those names as well as user
 functions given as ``module:function`` or ``path/to/file.py:function``.
 """
 
@@ -34,7 +34,7 @@ RewardFn = Callable[..., list]
 
 # name -> "module:function"; resolved lazily by load_reward, so that e.g. the sandbox is imported only when used.
 BUILTIN_REWARDS: dict[str, str] = {
-    "code": "grpo_fast.train.sandbox:code_reward",
+    "code": "grpo_fast.sandbox:code_reward",
     "exact": "grpo_fast.train.rewards:exact_reward",
     "format": "grpo_fast.train.rewards:format_reward",
     "math": "grpo_fast.train.rewards:math_reward",
@@ -284,7 +284,7 @@ def load_reward(spec: str) -> RewardFn:
 
 def reward_metrics(funcs: Sequence[RewardFn]) -> dict[str, float]:
     """What reward functions report about themselves, for the trainer's metrics log: for each function with a
-    ``metrics()`` attribute (the code reward's :func:`~grpo_fast.train.sandbox.sandbox_metrics`, say), its values
+    ``metrics()`` attribute (the code reward's :func:`~grpo_fast.sandbox.sandbox_metrics`, say), its values
     as ``rewards/<name>/<key>``."""
     return {f"rewards/{reward_name(fn)}/{key}": float(value)
             for fn in funcs if callable(getattr(fn, "metrics", None)) for key, value in fn.metrics().items()}

@@ -17,7 +17,7 @@ Every value is bounded whatever the child sends: a test's values take at most :d
 encoded (so a list holds fewer than a million items), containers nest at most :data:`MAX_DEPTH` deep, a range holds
 at most :data:`MAX_RANGE_ITEMS` items (its JSON is short whatever its length) and sets and dicts at most
 :data:`MAX_SHARED_HASH` members sharing a hash. What the parent computes over them is bounded in turn
-(:mod:`grpo_fast.train.asserts`).
+(:mod:`grpo_fast.sandbox.asserts`).
 
 The sandbox's child (``python -I -S``, where grpo_fast is not importable) imports this file as a top-level module, so
 it uses the standard library only, and at import time defines constants and functions and nothing else.
@@ -35,7 +35,7 @@ LINE_OVERHEAD = 1024
 MAX_SHARED_HASH = 8
 # The most items a range may hold. The JSON of a range is three ints whatever its length, so without this bound a
 # range(10**18) would reach the parent whole, and max() or list() over it would stall or fill the parent; 2**20 is
-# also the longest range the parent makes itself (grpo_fast.train.asserts).
+# also the longest range the parent makes itself (grpo_fast.sandbox.asserts).
 MAX_RANGE_ITEMS = 1 << 20
 
 _SMALL_INT = 1 << 63

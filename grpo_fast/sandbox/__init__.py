@@ -16,7 +16,7 @@ these layers (:func:`isolation_layers` says which are active on this machine):
   which nobody else sees and which vanishes with the child. Elsewhere the parent's watchdog counts the directory's
   files and bytes at every poll and kills the child past either budget (status ``"disk_limit"``); a network
   namespace alone is still taken where allowed (as root).
-* **Landlock** (:mod:`grpo_fast.train.landlock`, Linux >= 5.13), after ``PR_SET_NO_NEW_PRIVS``: the kernel lets the
+* **Landlock** (:mod:`grpo_fast.sandbox.landlock`, Linux >= 5.13), after ``PR_SET_NO_NEW_PRIVS``: the kernel lets the
   child write only under its directory and read only the interpreter's trees and the system libraries; nothing
   executes; TCP bind and connect are refused (ABI >= 4); signals and abstract unix sockets cannot reach outside
   the sandbox (ABI >= 6); no process outside can be traced. A **seccomp** filter then refuses ``socket(2)`` and
@@ -29,9 +29,9 @@ these layers (:func:`isolation_layers` says which are active on this machine):
   ``os.mkfifo``, ``os.pidfd_open``, ``signal.pidfd_send_signal``, ``_posixsubprocess.fork_exec``) become stubs
   that raise.
 
-**No reward is decided inside the sandbox.** The parent reads each test (:mod:`grpo_fast.train.asserts`) and sends the
+**No reward is decided inside the sandbox.** The parent reads each test (:mod:`grpo_fast.sandbox.asserts`) and sends the
 child only the expressions that use the completion (``f(2)`` of ``assert f(2) == 4``); the child evaluates them and
-reports their values as plain data (:mod:`grpo_fast.train.plain_data`: JSON of ints, strings, lists, dicts...) on a
+reports their values as plain data (:mod:`grpo_fast.sandbox.plain_data`: JSON of ints, strings, lists, dicts...) on a
 pipe, one line per test, in order. The parent judges each assert itself, over those values and with the expected
 values it kept. The completion shares the child's interpreter and can take it over (walk the stack, patch builtins,
 write to the pipe, exit early): all that gains it is a say over the values reported, which still have to be right;
@@ -66,8 +66,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from grpo_fast.train import plain_data
-from grpo_fast.train.asserts import TestPlan, judge, parse_tests
+from grpo_fast.sandbox import plain_data
+from grpo_fast.sandbox.asserts import TestPlan, judge, parse_tests
 
 logger = logging.getLogger("grpo_fast.train")
 
@@ -90,7 +90,7 @@ _DETAIL_CHARS = 500  # the most stderr characters kept in SandboxResult.detail
 _DETAIL_FAILURES = 5  # the most failed tests SandboxResult.detail explains
 _MAX_STATUS_LINE = 1 << 16  # the longest report line other than a test's values
 _PYTHON_FENCE_TAGS = frozenset({"", "python", "python3", "py"})
-_CHILD_PROGRAM = str(Path(__file__).with_name("_sandbox_child.py"))  # what the child interpreter runs
+_CHILD_PROGRAM = str(Path(__file__).with_name("_child.py"))  # what the child interpreter runs
 
 
 def _check_limit(name: str, value: object, integer: bool) -> None:
@@ -171,7 +171,7 @@ def run_tests(code: str, tests: list[str] | str, limits: SandboxLimits = Sandbox
     assert in it holds. The sandbox evaluates only the parts that use the code (``f(2)``), in the namespace the code
     defined, and the parent judges each assert over the plain values that come back; the rules, and the tests refused
     with a ``ValueError`` naming them (loops, assignments, function definitions, library calls run in the sandbox,
-    comparisons of two sandbox values): :mod:`grpo_fast.train.asserts`. A string is a single test, a list holds one
+    comparisons of two sandbox values): :mod:`grpo_fast.sandbox.asserts`. A string is a single test, a list holds one
     test per item. Tests run one after the other, each on its own (one failing does not stop the next); a run that is
     stopped keeps the passes judged before it. The code runs as a module named ``solution``, so an ``if __name__ ==
     "__main__":`` block in it does not run, and only the standard library is importable (the interpreter starts
@@ -327,7 +327,7 @@ def json_test_list(value: str) -> list[str] | None:
 def _require_linux() -> None:
     if not sys.platform.startswith("linux"):
         raise RuntimeError(
-            "grpo_fast.train.sandbox runs completions on Linux only (it relies on rlimits, process groups, /proc "
+            "grpo_fast.sandbox runs completions on Linux only (it relies on rlimits, process groups, /proc "
             f"and network namespaces); this platform is {sys.platform!r}"
         )
 
@@ -344,7 +344,7 @@ class _Reports:
 
     The report must be, line by line: the layers, how the completion ran (``{"code": "ok"}`` or ``"error"``), then
     for each test in order ``{"i": i, "r": outcomes}`` with one outcome per hole of that test (or ``{"i": i, "e":
-    why}`` when its imports raised). Each test's outcomes are judged (:func:`~grpo_fast.train.asserts.judge`) as
+    why}`` when its imports raised). Each test's outcomes are judged (:func:`~grpo_fast.sandbox.asserts.judge`) as
     its line arrives. Anything else (a line that does not parse, one out of order or of the wrong length, one past
     the last test, one longer than a test's values may take) breaks the report, and a broken report fails every
     test: a child that was taken over gains nothing by writing to the channel. Judging all the tests of a run may
@@ -435,7 +435,7 @@ class _Reports:
 
 
 def _outcome(outcome: Any) -> tuple[str, Any]:
-    """One hole's outcome as :func:`~grpo_fast.train.asserts.judge` takes it, from its report form."""
+    """One hole's outcome as :func:`~grpo_fast.sandbox.asserts.judge` takes it, from its report form."""
     match outcome:
         case ["v", tree]:
             return "value", plain_data.from_tree(tree)

@@ -11,7 +11,7 @@ A test is a string of ``assert`` statements, with ``import`` statements among th
 parts that use the code under test: each maximal chain of names, calls, attributes and subscripts that starts at a
 name of the completion (``add(2, 3)``, ``primes_below(10)``, ``Stack([1]).pop()``, ``result[0]``). The sandbox
 evaluates only those, in the completion's namespace and in the order Python would, and sends back their values as
-plain data (:mod:`grpo_fast.train.plain_data`). Everything else (the literals, the operators, the comparisons, ``not``,
+plain data (:mod:`grpo_fast.sandbox.plain_data`). Everything else (the literals, the operators, the comparisons, ``not``,
 ``and``, ``or``, and the builtins and ``math`` functions in :data:`PARENT_BUILTINS` and :data:`PARENT_MODULES`,
 lambdas and comprehensions over them, the methods in ``_METHODS`` called on values the parent computed) never
 enters the sandbox: :func:`judge` evaluates it in the parent, over those plain values. The expected values therefore
@@ -34,7 +34,7 @@ The rules, each one so that no test passes without the code under test producing
   that uses it, unless it is the argument of ``math.isnan``, ``math.isinf`` or ``math.isfinite``. NaN compares False
   with everything, so ``assert not f(3) < 0`` would otherwise pass for a NaN; a test that expects one says so with
   ``math.isnan(f(3))``.
-* The parent's work is bounded whatever the values: every value arrives bounded (:mod:`~grpo_fast.train.plain_data`:
+* The parent's work is bounded whatever the values: every value arrives bounded (:mod:`~grpo_fast.sandbox.plain_data`:
   1 MiB encoded per test, ranges of at most 2**20 items), repetitions, ``range``, ``bytes(n)`` stop at 2**20 items,
   ``join`` and ``replace`` at 2**24 characters, ``**`` and ``<<`` at 2**22 bits, a check at 10**6 steps, and
   judging all of one run's tests at the run's wall-clock limit (:func:`judge`'s ``deadline``).
@@ -70,7 +70,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from grpo_fast.train.plain_data import MAX_RANGE_ITEMS, check_hashes
+from grpo_fast.sandbox.plain_data import MAX_RANGE_ITEMS, check_hashes
 
 __all__ = ["PARENT_BUILTINS", "PARENT_MODULES", "Check", "TestPlan", "judge", "parse_test", "parse_tests"]
 
@@ -304,9 +304,9 @@ class _Splitter:
                 raise _Refused(f"{source!r} calls {part.attr} in the sandbox, where the code under test answers it "
                                "(compare the value itself: f(2) == 4, 3 in f(2))")
         why = ("the test imports it" if self._imports.get(root.id) is _LIBRARY else
-               "the parent evaluates only the math functions of grpo_fast.train.asserts.PARENT_MODULES"
+               "the parent evaluates only the math functions of grpo_fast.sandbox.asserts.PARENT_MODULES"
                if isinstance(self._parent_name(root.id), dict) else
-               "the parent evaluates only the builtins of grpo_fast.train.asserts.PARENT_BUILTINS"
+               "the parent evaluates only the builtins of grpo_fast.sandbox.asserts.PARENT_BUILTINS"
                if root.id in _BUILTIN_NAMES else None)
         if why is not None:
             raise _Refused(f"{source!r} would run {root.id!r} in the sandbox, where the code under test can replace "

@@ -2,7 +2,7 @@
 with a size-limited tmpfs as its directory, a seccomp filter without sockets, no-new-privileges, no capabilities.
 
 The sandbox's child (``python -I -S``, where grpo_fast is not importable) imports this file as a top-level module
-(see ``_sandbox_child.py``), so it uses the standard library only, and at import time defines constants and
+(see ``_child.py``), so it uses the standard library only, and at import time defines constants and
 functions and nothing else.
 
 Landlock (Linux >= 5.13) is asked only for the access rights the running kernel's ABI knows, as the kernel

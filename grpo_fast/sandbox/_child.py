@@ -1,4 +1,4 @@
-"""The sandbox's child program, run as ``python -I -S -B _sandbox_child.py JOB_FILE`` by sandbox.py (never
+"""The sandbox's child program, run as ``python -I -S -B _child.py JOB_FILE`` by __init__.py (never
 imported): it sets the limits, confines itself with what the kernel offers (landlock.py), stubs the unaudited calls,
 installs the audit hook and runs the job: the completion, then for each test its import statements and the
 expressions the parent asked for (asserts.py), whose values it reports as plain data (plain_data.py). It decides
