@@ -72,8 +72,8 @@ from grpo_fast.sandbox.asserts import TestPlan, judge, parse_tests
 logger = logging.getLogger("grpo_fast.train")
 
 __all__ = [
-    "SandboxLimits", "SandboxResult", "code_reward", "extract_code", "isolation_layers", "json_test_list", "run_tests",
-    "sandbox_metrics",
+    "PythonRun", "SandboxLimits", "SandboxResult", "code_reward", "extract_code", "isolation_layers", "json_test_list",
+    "run_python", "run_tests", "sandbox_metrics",
 ]
 
 # How a run ended (SandboxResult.status).
@@ -185,6 +185,87 @@ def run_tests(code: str, tests: list[str] | str, limits: SandboxLimits = Sandbox
         bad = next(test for test in snippets if not isinstance(test, str))
         raise TypeError(f"tests must be a str or a list of str, got an item {bad!r:.100} ({type(bad).__name__})")
     return _run_child(code, snippets, limits)[0]
+
+
+@dataclass(frozen=True)
+class PythonRun:
+    """What :func:`run_python` saw: the start of what the code printed, the value of its last expression (``repr``
+    of plain data, computed in the parent; None when the code ends with a statement or the value is None), and the
+    error or the limit that stopped it (None when it ran to the end)."""
+
+    stdout: str
+    value: str | None
+    error: str | None
+
+    def text(self, max_chars: int) -> str:
+        """The tool message: stdout, then the value or the error, cut to ``max_chars`` characters."""
+        parts = [self.stdout.rstrip("\n")] if self.stdout else []
+        if self.value is not None:
+            parts.append(self.value)
+        if self.error is not None:
+            parts.append(self.error)
+        text, cut = "\n".join(parts), "... [truncated]"
+        return text if len(text) <= max_chars else text[: max_chars - len(cut)] + cut
+
+
+def run_python(code: str, limits: SandboxLimits = SandboxLimits(), max_stdout_bytes: int = 8192) -> PythonRun:
+    """Run ``code`` in a fresh sandboxed interpreter (the layers and limits of :func:`run_tests`) as a notebook cell
+    runs: what it prints, and the value of its last line when that is an expression. Nothing is judged and nothing of
+    it reaches a reward: this is the ``python`` tool's engine (:mod:`grpo_fast.agents.python_tool`). The value comes
+    back as plain data (:mod:`~grpo_fast.sandbox.plain_data`) and is shown with ``repr`` here; a value that is not
+    plain data (an object of a class the code defined, a function) is named by its type."""
+    _require_linux()
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    body, last = _split_last_expression(code)
+    plans = [TestPlan("", (("eval", last),), (), (last,), {})] if last is not None else []
+    result, reports, stdout = _run_job(body, plans, limits, keep_stdout=max_stdout_bytes)
+    value = None
+    if reports.outcomes:
+        (kind, outcome), = reports.outcomes[0]
+        if kind == "value":
+            value = None if outcome is None else _repr_value(outcome)
+        elif kind == "not plain":
+            value = f"<{outcome}>"
+        else:
+            result = SandboxResult(0, 1, "error", f"{outcome}")
+    error = None
+    if result.status not in ("ok", "failed"):
+        error = _python_error(result)
+    return PythonRun(stdout.decode("utf-8", "replace"), value, error)
+
+
+def _split_last_expression(code: str) -> tuple[str, str | None]:
+    """``code`` without its last statement when that is an expression, and that expression's source."""
+    try:
+        body = ast.parse(code).body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return code, None  # the child reports the error
+    if not body or not isinstance(body[-1], ast.Expr):
+        return code, None
+    last = body[-1]
+    lines = code.splitlines(keepends=True)
+    start = sum(len(line) for line in lines[: last.lineno - 1]) + len(
+        lines[last.lineno - 1].encode("utf-8")[: last.col_offset].decode("utf-8", "replace"))
+    return code[:start], ast.get_source_segment(code, last.value) or ast.unparse(last.value)
+
+
+def _repr_value(value: Any) -> str:
+    try:
+        return repr(value)[:10_000]
+    except ValueError:  # an int past Python's 4300-digit limit
+        return f"<int of {value.bit_length()} bits>"
+
+
+def _python_error(result: SandboxResult) -> str:
+    """One line for the model: the exception the code raised, or the limit that stopped it."""
+    if result.status == "error":
+        for line in reversed(result.detail.splitlines()):
+            if line.startswith("sandbox: the completion raised "):
+                return line.removeprefix("sandbox: the completion raised ")
+        last = result.detail.strip().splitlines()
+        return last[-1] if last else "error"
+    return f"{result.status}: {result.detail.splitlines()[0] if result.detail else ''}".rstrip(": ")
 
 
 def extract_code(completion: str) -> str:
@@ -358,6 +439,7 @@ class _Reports:
         self.layers: tuple[str, ...] = ()
         self.code: str | None = None  # "ok" or "error", once the child has said
         self.failures: list[str | None] = []  # per test answered: None if it passed, else why it failed
+        self.outcomes: list[list[tuple[str, Any]]] = []  # per test answered: its holes' outcomes (run_python reads them)
         self.broken: str | None = None  # why the report broke protocol
 
     @property
@@ -428,6 +510,7 @@ class _Reports:
                 self.broken = f"test {index}'s values do not parse: {e}"
                 return
             started = time.monotonic()
+            self.outcomes.append(values)
             self.failures.append(judge(plan, values, deadline=started + max(self._judge_left, 0.0)))
             self._judge_left -= time.monotonic() - started
         else:
@@ -449,7 +532,10 @@ def _outcome(outcome: Any) -> tuple[str, Any]:
 class _Streams:
     """Reads the child's stdout, stderr and report channel, keeping only what the verdict needs."""
 
-    def __init__(self, proc: subprocess.Popen, channel: int, reports: _Reports) -> None:
+    def __init__(self, proc: subprocess.Popen, channel: int, reports: _Reports, keep_stdout: int = 0) -> None:
+        self._stdout = proc.stdout.fileno()
+        self._keep_stdout = keep_stdout
+        self.stdout_head = b""  # the first keep_stdout bytes (run_python's output), nothing for run_tests
         self._stderr = proc.stderr.fileno()
         self._channel = channel
         self._reports = reports
@@ -474,6 +560,8 @@ class _Streams:
                 self._reports.feed(data)
             else:
                 self.output_bytes += len(data)
+                if key.fd == self._stdout and len(self.stdout_head) < self._keep_stdout:
+                    self.stdout_head += data[: self._keep_stdout - len(self.stdout_head)]
                 if key.fd == self._stderr:
                     self.stderr_tail = (self.stderr_tail + data)[-4 * _DETAIL_CHARS :]
 
@@ -496,6 +584,16 @@ def _run_plans(
     code: str, plans: list[TestPlan], limits: SandboxLimits, skip_layers: frozenset[str] = frozenset()
 ) -> tuple[SandboxResult, tuple[str, ...]]:
     """:func:`_run_child` of tests already read."""
+    result, reports, _ = _run_job(code, plans, limits, skip_layers)
+    return result, reports.layers
+
+
+def _run_job(
+    code: str, plans: list[TestPlan], limits: SandboxLimits, skip_layers: frozenset[str] = frozenset(),
+    keep_stdout: int = 0,
+) -> tuple[SandboxResult, _Reports, bytes]:
+    """:func:`_run_plans` with what :func:`run_python` also needs: the report and the first ``keep_stdout`` bytes
+    of the child's stdout."""
     workdir = tempfile.mkdtemp(prefix=TEMP_PREFIX)
     channel_read, channel_write = os.pipe()
     try:
@@ -519,7 +617,7 @@ def _run_plans(
             os.close(channel_write)  # the child holds the only write end now: end of file means it is gone
         with proc:
             reports = _Reports(plans, limits.timeout_s)
-            streams = _Streams(proc, channel_read, reports)
+            streams = _Streams(proc, channel_read, reports, keep_stdout)
             try:
                 stopped = _supervise(proc, streams, reports, limits, workdir)
             finally:
@@ -529,7 +627,7 @@ def _run_plans(
                 while streams.open and (left := deadline - time.monotonic()) > 0:
                     streams.pump(left)
                 streams.close()
-        return _verdict(proc.returncode, stopped, streams, reports, len(plans), limits), reports.layers
+        return _verdict(proc.returncode, stopped, streams, reports, len(plans), limits), reports, streams.stdout_head
     finally:
         os.close(channel_read)
         _remove_tree(workdir)

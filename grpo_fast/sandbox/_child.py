@@ -165,6 +165,16 @@ def run(code, tests, channel, layers):
     # (exec, say) must not break the report. (A hostile one can take this interpreter over: that changes nothing
     # but the values reported, which the parent judges.)
     write, run_code, evaluate, exit_now, failure, dumps = os.write, exec, eval, os._exit, BaseException, json.dumps
+    # os._exit skips them: what the code printed must reach the pipe, before the line that lets the parent stop
+    flushes = (sys.stdout.flush, sys.stderr.flush)
+
+    def flush_output():
+        for flush in flushes:
+            try:
+                flush()
+            except failure:
+                pass
+
     steps = [[(kind, compile(source, f"<test {i}>", kind)) for kind, source in test] for i, test in enumerate(tests)]
 
     def send(message):
@@ -194,8 +204,10 @@ def run(code, tests, channel, layers):
     except failure as exc:
         namespace.clear()  # free what the code allocated (a huge list, say) before reporting
         write(2, f"sandbox: the completion raised {describe(exc)}\n".encode())  # before the parent stops reading
+        flush_output()
         send({"code": "error"})
         exit_now(0)
+    flush_output()
     send({"code": "ok"})
     for i, test in enumerate(steps):
         budget, results = Budget(MAX_VALUE_CHARS), []
@@ -208,6 +220,7 @@ def run(code, tests, channel, layers):
             message = {"i": i, "r": results}
         except failure as exc:
             message = {"i": i, "e": describe(exc)}
+        flush_output()
         send(message)
     exit_now(0)  # skip interpreter teardown: threads the completion started must not keep the process alive
 

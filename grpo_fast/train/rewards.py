@@ -7,9 +7,10 @@ column arrives as a keyword argument holding one value per completion (``answer=
 ``**kwargs`` so that columns it does not use are ignored. ``None`` means "this function does not score this sample";
 :func:`compute_rewards` turns it into NaN, which the group advantages skip.
 
-Built-ins (:data:`BUILTIN_REWARDS`): ``math`` (:func:`math_reward`), ``exact`` (:func:`exact_reward`), ``format``
-(:func:`format_reward`) and ``code`` (``grpo_fast.sandbox.code_reward``). :func:`load_reward` resolves those names as well as user
-functions given as ``module:function`` or ``path/to/file.py:function``.
+Built-ins (:data:`BUILTIN_REWARDS`): ``math`` (:func:`math_reward`), ``exact`` (:func:`exact_reward`),
+``last_number`` (:func:`last_number_reward`), ``format`` (:func:`format_reward`) and ``code``
+(``grpo_fast.sandbox.code_reward``). :func:`load_reward` resolves those names as well as user functions given as
+``module:function`` or ``path/to/file.py:function``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "code": "grpo_fast.sandbox:code_reward",
     "exact": "grpo_fast.train.rewards:exact_reward",
     "format": "grpo_fast.train.rewards:format_reward",
+    "last_number": "grpo_fast.train.rewards:last_number_reward",
     "math": "grpo_fast.train.rewards:math_reward",
 }
 
@@ -158,6 +160,25 @@ def exact_reward(prompts: list, completions: list, answer: list, **kwargs: Any) 
     """
     return [None if gold is None else float(completion_text(c).strip() == str(gold).strip())
             for c, gold in zip(completions, answer, strict=True)]
+
+
+_INTEGER = re.compile(r"-?\d+")
+
+
+def last_number_reward(prompts: list, completions: list, answer: list, **kwargs: Any) -> list[float | None]:
+    """1.0 when the last integer of the completion equals the gold ``answer`` (an integer), else 0.0 (None without an
+    answer). A multi-turn completion (a message list) counts every message, tool results included: an answer the
+    model read from its tool is its answer (the ``calc`` task's reward)."""
+    scores = []
+    for completion, gold in zip(completions, answer, strict=True):
+        if gold is None:
+            scores.append(None)
+            continue
+        text = completion if isinstance(completion, str) else " ".join(
+            str(message.get("content") or "") for message in completion)
+        numbers = _INTEGER.findall(text)
+        scores.append(float(bool(numbers) and int(numbers[-1]) == int(str(gold).strip())))
+    return scores
 
 
 # ------------------------------------------------------------------------------------------------- format reward

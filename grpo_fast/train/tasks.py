@@ -8,34 +8,84 @@ but an answer no single comparison finds; nothing in the project was tuned on it
 against TRL's). The held-out split is every prompt whose CRC32 is divisible by 8: no evaluation prompt is ever
 trained on.
 
+``calc`` (an agentic task): ``"37*408="`` -> ``"15096"``, two numbers of 2 or 3 digits. A product of that size is
+beyond what the tiny model can compute in its head; with the ``calc`` tool (:func:`calc`) it only has to call it with
+the prompt's expression: ``37*408<call>`` (the compact tool format of ``grpo_fast.agents.formats``), the tool answers
+``15096 ``, and the model ends its turn. The answer is judged on the transcript's last number, the tool's output
+included (reward ``last_number``).
+
 Model ``tiny``: a 2-layer Qwen2 (hidden 64) over a character vocabulary, randomly initialised from the run's seed.
-It starts at chance (it does not even know to answer with one digit) and has to learn the task from the rewards.
+It starts at chance (it does not even know to answer with one digit) and has to learn the task from the rewards. For
+``calc`` its vocabulary also has ``*``, ``+`` and the ``<call>`` token.
 """
 
 from __future__ import annotations
 
+import ast
 import random
 import zlib
 
 CHARS = list("0123456789 =maxin")
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
-TASKS = ("digits", "max", "median")
+TOOL_CHARS = list("*+")  # the calc task's extra characters
+CALL_TOKEN = "<call>"  # grpo_fast.agents.formats.CALL_TOKEN: the compact tool format's call
+TASKS = ("digits", "max", "median", "calc")
+TOOL_TASKS = {"calc": "grpo_fast.train.tasks:calc"}  # task -> the tool its --tools builtin means
 TASK_SIZE = 4096  # distinct training prompts
 EVAL_SPLIT = 8  # 1 in 8 prompts is held out
 
 
-def tiny_tokenizer():
-    """Character-level ``PreTrainedTokenizerFast``: one token per character, ``<eos>`` ends a completion."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+def tiny_tokenizer(task: str | None = None):
+    """Character-level ``PreTrainedTokenizerFast``: one token per character, ``<eos>`` ends a completion. For a tool
+    task (``"calc"``) the vocabulary also holds :data:`TOOL_CHARS` and the ``<call>`` token; the other tasks keep
+    the default run's vocabulary."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
+    tools = task in TOOL_TASKS
+    vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS + (TOOL_CHARS + [CALL_TOKEN] if tools else []))}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    if tools:  # one token, not six characters
+        backend.add_special_tokens([AddedToken(CALL_TOKEN, special=True)])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
     )
+
+
+def calc(expression: str) -> str:
+    """Evaluate integer arithmetic and return the result.
+
+    Args:
+        expression: non-negative integers joined by +, - and *, with parentheses, e.g. "37*408" or "12*(3+4)".
+    """
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ValueError(f"not an arithmetic expression: {expression[:40]!r}") from None
+    return str(_arithmetic(tree.body))
+
+
+_CALC_LIMIT = 10**18  # the largest operand and result calc computes
+
+
+def _arithmetic(node: ast.expr) -> int:
+    if isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value <= _CALC_LIMIT:
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult)):
+        left, right = _arithmetic(node.left), _arithmetic(node.right)
+        value = left + right if isinstance(node.op, ast.Add) else left - right if isinstance(node.op, ast.Sub) \
+            else left * right
+        if abs(value) > _CALC_LIMIT:
+            raise ValueError(f"a result beyond {_CALC_LIMIT}")
+        return value
+    raise ValueError(f"calc takes integers with + - * only, got {ast.unparse(node)[:40]!r}")
+
+
+def _calc_example(rng: random.Random) -> dict:
+    a, b = rng.randint(10, 999), rng.randint(10, 999)
+    return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
 
 
 def tiny_model(tokenizer, seed: int):
@@ -89,6 +139,8 @@ def builtin_records(name: str, split: str, size: int) -> list[dict]:
     for _ in range(200 * size):
         if name == "median":
             record = _median_example(rng)
+        elif name == "calc":
+            record = _calc_example(rng)
         else:
             record = _digits_example(rng, ("max", "min") if name == "digits" else ("max",))
         if record["prompt"] in seen or _held_out(record["prompt"]) != want_eval:
