@@ -152,3 +152,51 @@ def test_untied_50m_class_model_greedy_and_sync():
         assert engine.cached_prompt_tokens > 0  # the group's children share the prompt's full blocks
     finally:
         engine.close()
+
+
+@pytest.fixture(scope="module")
+def calc_agent():
+    """A tiny calc model after a short supervised warm-up (so that greedy decoding calls the tool), and its agent."""
+    from grpo_fast.agents import Agent
+    from grpo_fast.agents.warmup import calc_demonstration, supervised_warmup
+    from grpo_fast.train.tasks import builtin_records, calc
+
+    tok = tiny_tokenizer("calc")
+    model = tiny_model(tok, seed=0)
+    agent = Agent([calc], None, tok, [tok.eos_token_id])
+    demos = [calc_demonstration(r, tok, agent.format) for r in builtin_records("calc", "train", 128)]
+    supervised_warmup(model, demos, steps=80, batch_size=32, lr=3e-3, seed=0, pad_id=tok.pad_token_id)
+    model.eval()
+    engine = VLLMEngine(model, dtype=torch.float32, seed=0, kv_cache_memory_bytes=16 << 20, max_model_len=64)
+    yield model, tok, agent, engine
+    engine.close()
+    agent.close()
+
+
+def test_multi_turn_greedy_trajectories_equal_hf_engine(calc_agent):
+    """Tool calls on both engines: the same greedy transcript (model and tool tokens), loss mask and log-probs."""
+    from grpo_fast.train.tasks import builtin_records
+
+    model, tok, agent, engine = calc_agent
+    records = builtin_records("calc", "eval", 6)
+    pi, pm = _prompts(tok, [r["prompt"] for r in records])
+    prompts = [row[m.bool()].tolist() for row, m in zip(pi, pm)]
+    params = SamplingParams(24, 0.0)
+    rollouts, stats = [], []
+    for run in ("hf", "vllm"):
+        turns = agent.turns([None] * 12, [p for p in prompts for _ in range(2)], max_new_tokens=24, context=64)
+        kwargs = dict(eos_token_id=[tok.eos_token_id], pad_token_id=tok.pad_token_id, turns=turns)
+        if run == "hf":
+            with torch.no_grad():
+                rollouts.append(generate(model, pi, pm, 2, params, **kwargs))
+        else:
+            rollouts.append(engine.generate(pi, pm, 2, params, seed=0, **kwargs))
+        stats.append(turns.stats)
+    h, v = rollouts
+    assert stats[0].calls > 0, "the warmed-up model never called the tool: the test would show nothing"
+    assert stats[0].calls_per_row == stats[1].calls_per_row
+    n = max(int(h.completion_mask.sum(1).max()), int(v.completion_mask.sum(1).max()))
+    assert torch.equal(v.completion_ids[:, :n], h.completion_ids[:, :n])
+    assert torch.equal(v.completion_mask[:, :n], h.completion_mask[:, :n])
+    assert torch.equal(v.loss_mask[:, :n], h.loss_mask[:, :n])
+    torch.testing.assert_close(v.sampling_logps[:, :n], h.sampling_logps[:, :n], rtol=0, atol=2e-6)

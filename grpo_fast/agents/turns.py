@@ -90,26 +90,48 @@ class ToolTurns:
     def after(self, token: torch.Tensor, model: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
         """Record this step's tokens; run the calls of the turns that ended; returns which rows are done."""
         tokens, from_model, live = token.tolist(), model.tolist(), alive.tolist()
-        done = [False] * len(tokens)
-        pending = []
+        ended = []
         for r, (t, m, a) in enumerate(zip(tokens, from_model, live)):
-            if not a:
-                continue
-            self.completions[r].append(t)
-            if not m or t not in self._fmt.stop_ids:
-                continue
+            if a:
+                self.completions[r].append(t)
+                if m and t in self._fmt.stop_ids:
+                    ended.append(r)
+        done = self.end_turns(ended)
+        return torch.tensor([r in done for r in range(len(tokens))], dtype=torch.bool, device=token.device)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """The tokens that end a turn."""
+        return self._fmt.stop_ids
+
+    def end_turns(self, rows: list[int]) -> set[int]:
+        """The rows whose turn just ended (its stop token recorded last): read their calls, run them, queue the
+        results; returns the rows that are done (a final answer, the cap, results that do not fit)."""
+        done, pending = set(), []
+        for r in rows:
             turn = self.completions[r][self._turn_start[r]:]
             calls = self._fmt.calls(turn, self._prompts[r] + self.completions[r][: self._turn_start[r]])
             self.messages[r].append(self._fmt.messages(turn, calls))
             if not calls or (self._max_iterations is not None and self._rounds[r] >= self._max_iterations):
-                done[r] = True
+                done.add(r)
             else:
                 pending.append((r, calls))
         if pending:
             answers = self._runner.run([(self._tools[r], calls) for r, calls in pending])
             for (r, calls), results in zip(pending, answers):
-                done[r] = not self._queue_results(r, calls, results)
-        return torch.tensor(done, dtype=torch.bool, device=token.device)
+                if not self._queue_results(r, calls, results):
+                    done.add(r)
+        return done
+
+    def take_queued(self, r: int) -> list[int]:
+        """Row ``r``'s queued tool tokens, all at once, recorded as fed (an engine that prefills them in one go)."""
+        queued, self._queue[r] = self._queue[r], []
+        self.completions[r].extend(queued)
+        return queued
+
+    def record_turn(self, r: int, tokens: list[int]) -> None:
+        """Record a whole sampled turn of row ``r`` (an engine that samples turn by turn)."""
+        self.completions[r].extend(tokens)
 
     def _queue_results(self, r: int, calls, outcomes: list[tuple[str, str, bool]]) -> bool:
         """Queue a round's result tokens for row ``r``; False (the row ends) when they would not fit."""

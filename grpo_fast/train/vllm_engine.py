@@ -186,13 +186,17 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
                  params: SamplingParams, *, eos_token_id: int | list[int], pad_token_id: int,
-                 seed: int) -> Rollout:
+                 seed: int, turns=None) -> Rollout:
         """``group_size`` completions for each left-padded prompt of ``[B, P]``, laid out as the ``hf`` engine's
         ``Rollout``: rows grouped by prompt, completions right-padded with ``pad_token_id``, EOS kept and masked in,
-        ``sampling_logps`` vLLM's processed log-probs (0 at padding)."""
+        ``sampling_logps`` vLLM's processed log-probs (0 at padding). ``turns``
+        (:class:`grpo_fast.agents.turns.ToolTurns`): multi-turn rows (:meth:`_generate_turns`)."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         self.wake_up()
+        if turns is not None:
+            return self._generate_turns(prompt_ids, prompt_mask, group_size, params, eos_token_id=eos_token_id,
+                                        pad_token_id=pad_token_id, seed=seed, turns=turns)
         eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()} for ids, mask in zip(prompt_ids.cpu(),
                                                                                           prompt_mask.cpu())]
@@ -227,6 +231,83 @@ class VLLMEngine:
             completion_mask=completion_mask.to(device),
             sampling_logps=sampling_logps.to(device),
             group_size=group_size,
+        )
+
+    def _generate_turns(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, group_size: int,
+                        params: SamplingParams, *, eos_token_id, pad_token_id: int, seed: int, turns) -> Rollout:
+        """Multi-turn rows, token in and token out, as TRL's colocated tool loop runs vLLM: the first turn of each
+        prompt with ``n=G`` (greedy: G copies), stopping at EOS or the format's call token; then, round after round,
+        each row whose turn asked for tools gets their results appended (no re-tokenising) and one more turn with
+        ``n=1`` over its whole transcript, which prefix caching serves from the blocks of its earlier turns. The
+        result's ``loss_mask`` is 0 on the tool tokens."""
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+        stop = sorted(set(eos) | set(turns.stop_ids))
+        prompts = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu())]
+        rows = len(prompts) * group_size
+        sampled: list[list[tuple[int, float, bool]]] = [[] for _ in range(rows)]  # (token, logp, from the model)
+        greedy = params.temperature == 0
+
+        def sampling(n: int, budget: int):
+            return VLLMSamplingParams(n=n, temperature=params.temperature, top_p=params.top_p,
+                                      top_k=params.top_k if params.top_k > 0 else 0, max_tokens=budget, logprobs=0,
+                                      stop_token_ids=stop, detokenize=False)
+
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        cached = 0
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)  # vLLM's sampler draws from the default generator (module docstring)
+            requests = [{"prompt_token_ids": p} for p in prompts for _ in range(group_size if greedy else 1)]
+            outputs = self.llm.generate(requests, sampling(1 if greedy else group_size, params.max_new_tokens),
+                                        use_tqdm=False)
+            cached += sum(out.num_cached_tokens or 0 for out in outputs)
+            results = [c for out in outputs for c in out.outputs]
+            active = list(range(rows))
+            while active:
+                ended = []
+                for r, c in zip(active, results):
+                    tokens = list(c.token_ids)
+                    turns.record_turn(r, tokens)
+                    sampled[r].extend((t, lp[t].logprob, True) for t, lp in zip(tokens, c.logprobs))
+                    if tokens and tokens[-1] in turns.stop_ids:  # else the length budget ended the row
+                        ended.append(r)
+                done = turns.end_turns(ended)
+                active = []
+                for r in ended:
+                    if r not in done:
+                        sampled[r].extend((t, 0.0, False) for t in turns.take_queued(r))
+                        if len(turns.completions[r]) < params.max_new_tokens:  # results that fill it end the row
+                            active.append(r)
+                if not active:
+                    break
+                outputs = self.llm.generate(
+                    [{"prompt_token_ids": prompts[r // group_size] + turns.completions[r]} for r in active],
+                    [sampling(1, params.max_new_tokens - len(turns.completions[r])) for r in active], use_tqdm=False)
+                cached += sum(out.num_cached_tokens or 0 for out in outputs)
+                results = [out.outputs[0] for out in outputs]
+        self.cached_prompt_tokens = cached
+        T = max(1, max(len(row) for row in sampled))
+        completion_ids = torch.full((rows, T), pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros((rows, T), dtype=prompt_mask.dtype)
+        loss_mask = torch.zeros((rows, T), dtype=prompt_mask.dtype)
+        sampling_logps = torch.zeros((rows, T), dtype=torch.float32)
+        for i, row in enumerate(sampled):
+            n = len(row)
+            if n:
+                completion_ids[i, :n] = torch.tensor([t for t, _, _ in row])
+                completion_mask[i, :n] = 1
+                loss_mask[i, :n] = torch.tensor([int(m) for _, _, m in row])
+                sampling_logps[i, :n] = torch.tensor([lp for _, lp, _ in row])
+        device = prompt_ids.device
+        return Rollout(
+            prompt_ids=prompt_ids.repeat_interleave(group_size, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(group_size, dim=0),
+            completion_ids=completion_ids.to(device),
+            completion_mask=completion_mask.to(device),
+            sampling_logps=sampling_logps.to(device),
+            group_size=group_size,
+            loss_mask=loss_mask.to(device),
         )
 
     # ---------------------------------------------------------------------------------------------- weights
