@@ -114,7 +114,7 @@ def test_make_format_reward():
 def test_load_builtin_rewards():
     assert load_reward("math") is math_reward
     assert load_reward(" format ") is format_reward
-    assert set(BUILTIN_REWARDS) == {"math", "exact", "format", "code"}
+    assert set(BUILTIN_REWARDS) == {"math", "exact", "format", "code", "last_number"}
 
 
 def test_load_builtin_code_reward():
@@ -147,7 +147,7 @@ def test_load_reward_from_module_on_sys_path(tmp_path, monkeypatch):
         sys.modules.pop("syspath_rewards", None)
 
 
-FORMS = r"Expected a built-in reward \(code, exact, format, math\), 'module:function'"
+FORMS = r"Expected a built-in reward \(code, exact, format, last_number, math\), 'module:function'"
 
 
 @pytest.mark.parametrize("spec", ["mathh", "no_colon_module", ":fn", "module:"])

@@ -231,11 +231,12 @@ def make_format_reward(pattern: str, name: str | None = None) -> RewardFn:
 # ------------------------------------------------------------------------------------------------- load_reward
 
 
-def _spec_error(spec: str, problem: str) -> str:
-    builtins = ", ".join(sorted(BUILTIN_REWARDS))
+def _spec_error(spec: str, problem: str, what: str = "reward", builtins: dict[str, str] | None = None) -> str:
+    names = ", ".join(sorted(BUILTIN_REWARDS if builtins is None else builtins))
+    name = "Class" if what == "environment" else "function"
     return (
-        f"cannot load reward {spec!r}: {problem}. Expected a built-in reward ({builtins}), "
-        "'module:function' (module importable from sys.path) or 'path/to/file.py:function'."
+        f"cannot load {what} {spec!r}: {problem}. Expected " + (f"a built-in {what} ({names}), " if names else "")
+        + f"'module:{name}' (module importable from sys.path) or 'path/to/file.py:{name}'."
     )
 
 
@@ -243,11 +244,11 @@ def _is_file_spec(module: str) -> bool:
     return module.endswith(".py") or "/" in module or "\\" in module
 
 
-def _import_file(spec: str, location: str) -> ModuleType:
+def _import_file(spec: str, location: str, error=_spec_error) -> ModuleType:
     """Import a Python file as a module named after its resolved path (so that loading it twice reuses it)."""
     path = Path(location).expanduser().resolve()
     if not path.is_file():
-        raise ImportError(_spec_error(spec, f"file {str(path)!r} not found"))
+        raise ImportError(error(spec, f"file {str(path)!r} not found"))
     name = f"{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
     if name in sys.modules:
         return sys.modules[name]
@@ -258,11 +259,11 @@ def _import_file(spec: str, location: str) -> ModuleType:
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[name]
-        raise ImportError(_spec_error(spec, f"executing {str(path)!r} raised {type(e).__name__}: {e}")) from e
+        raise ImportError(error(spec, f"executing {str(path)!r} raised {type(e).__name__}: {e}")) from e
     return module
 
 
-def _import_module(spec: str, name: str) -> ModuleType:
+def _import_module(spec: str, name: str, error=_spec_error) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
@@ -270,9 +271,9 @@ def _import_module(spec: str, name: str) -> ModuleType:
             problem = f"module {name!r} not found (is its directory on sys.path or PYTHONPATH?)"
         else:  # the module exists but one of its own imports is missing
             problem = f"importing module {name!r} failed: {e}"
-        raise ImportError(_spec_error(spec, problem)) from e
+        raise ImportError(error(spec, problem)) from e
     except Exception as e:
-        raise ImportError(_spec_error(spec, f"importing module {name!r} raised {type(e).__name__}: {e}")) from e
+        raise ImportError(error(spec, f"importing module {name!r} raised {type(e).__name__}: {e}")) from e
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -283,23 +284,34 @@ def load_reward(spec: str) -> RewardFn:
     ``AttributeError`` when it has no such attribute and ``TypeError`` when the attribute is not callable; each
     message names the spec, the accepted forms and what went wrong.
     """
-    target = BUILTIN_REWARDS.get(spec.strip(), spec.strip())
+    return load_object(spec, "reward", BUILTIN_REWARDS)
+
+
+def load_object(spec: str, what: str, builtins: dict[str, str]) -> Callable:
+    """The callable a spec names: a key of ``builtins`` (whose value is a ``module:NAME`` spec), ``module:NAME`` or
+    ``path/to/file.py:NAME``; errors as :func:`load_reward`'s, naming ``what`` (``"reward"``, ``"tool"``,
+    ``"environment"``)."""
+    def error(spec_: str, problem: str) -> str:
+        return _spec_error(spec_, problem, what, builtins)
+
+    target = builtins.get(spec.strip(), spec.strip())
     location, sep, attribute = target.rpartition(":")
     if not sep or not location or not attribute:
-        raise ValueError(_spec_error(spec, "not a built-in name and not of the form 'module:function'"))
+        raise ValueError(error(spec, "not a built-in name and not of the form 'module:"
+                               + ("Class'" if what == "environment" else "function'")))
     if _is_file_spec(location):
-        module = _import_file(spec, location)
+        module = _import_file(spec, location, error)
     else:
-        module = _import_module(spec, location)
+        module = _import_module(spec, location, error)
     if not hasattr(module, attribute):
-        defined = sorted(
-            n for n, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module.__name__
-        )
-        problem = f"{location!r} has no attribute {attribute!r} (functions it defines: {', '.join(defined) or 'none'})"
-        raise AttributeError(_spec_error(spec, problem))
+        kind = inspect.isclass if what == "environment" else inspect.isfunction
+        defined = sorted(n for n, v in vars(module).items() if kind(v) and v.__module__ == module.__name__)
+        problem = (f"{location!r} has no attribute {attribute!r} ({'classes' if what == 'environment' else 'functions'}"
+                   f" it defines: {', '.join(defined) or 'none'})")
+        raise AttributeError(error(spec, problem))
     fn = getattr(module, attribute)
     if not callable(fn):
-        raise TypeError(_spec_error(spec, f"{location}:{attribute} is a {type(fn).__name__}, not a function"))
+        raise TypeError(error(spec, f"{location}:{attribute} is a {type(fn).__name__}, not a function"))
     return fn
 
 
