@@ -5,19 +5,26 @@ A checkpoint is one file written to a temporary name in the same directory, flus
 (``os.replace`` is atomic on POSIX). Under FSDP2 it is a directory in torch.distributed.checkpoint's format (every
 rank writes its shards; ``trainer_state.pt`` beside them), written under a temporary name and renamed once every
 rank has finished. A run killed in the middle of a save leaves a ``.checkpoint-*.tmp`` file or directory that the
-next resume ignores and removes; the previous checkpoint is untouched. A checkpoint damaged in another way (a
-truncated copy, a full disk, a file overwritten by something else) is found when it is read: :func:`read_state` raises
-:class:`DamagedCheckpoint` naming it, and resume falls back to the newest intact one.
+next resume ignores and removes; the previous checkpoint is untouched. A save that fills the disk removes its
+temporary file and raises :class:`DiskFull`, one line naming the file and the space left. A checkpoint damaged in
+another way (a truncated copy, flipped or overwritten bytes, a file overwritten by something else) is found when it
+is read: every record of the archive (the pickle, each tensor's storage) must match the CRC-32 ``torch.save``
+stored for it (torch's own reader does not check them), and :func:`read_state` raises :class:`DamagedCheckpoint`
+naming the file and the record; resume falls back to the newest intact one. The checksums are part of the file, so
+a checkpoint is verified wherever it is copied, and one written by an earlier grpo-fast is verified the same way.
 
 Checkpoints are files people download and share, and a pickle can call any function while it is read. So a
 checkpoint holds only tensors, numbers, strings, None and lists, tuples and dicts of them (the RNG states as
-tensors and numbers, see :func:`rng_state`), and every file is read by :func:`load`: ``torch.load(weights_only=True)``
-after a scan of the pickle for globals outside torch's tensor-only set. A file that needs anything more is refused
-before it is unpickled (:class:`UnsafeCheckpoint`, naming the file and the global): resume stops there rather than
-skip it as damaged, and ``grpo-fast export`` stops too. The ``.metadata`` of a ``.dcp`` directory is unpickled with
-an allow-list of torch.distributed.checkpoint's metadata classes, its non-tensor entries by :func:`load`. A
-save_pretrained directory (``--model``) is checked by :func:`check_weights` before transformers reads it: safetensors
-headers that cover their files, ``.bin`` weights that pass the same scan.
+tensors and numbers, see :func:`rng_state`), and every file is read by :func:`load`: its checksums verified, then
+its pickle walked opcode by opcode (:func:`~grpo_fast.train.pickle_walk.walk_pickle`, every way a pickle names a global: ``GLOBAL``, ``INST``,
+``STACK_GLOBAL`` of strings pushed or fetched from the memo, the ``EXT`` codes of copyreg's registry) for globals
+outside torch's ``weights_only`` set, then ``torch.load(weights_only=True)``; a pickle of protocol 3 to 5 is first
+rewritten into the protocol-2 opcodes torch's weights-only unpickler takes. A file that needs anything more is
+refused before it is unpickled (:class:`UnsafeCheckpoint`, naming the file and the global): resume stops there
+rather than skip it as damaged, and ``grpo-fast export`` stops too. The ``.metadata`` of a ``.dcp`` directory is
+unpickled with an allow-list of torch.distributed.checkpoint's metadata classes, its non-tensor entries by
+:func:`load`. A save_pretrained directory (``--model``) is checked by :func:`check_weights` before transformers reads
+it: safetensors headers that cover their files, ``.bin`` weights that pass the same checks.
 
 Checkpoints of grpo-fast before this format pickled numpy's RNG state as a numpy array; :func:`convert`
 (``grpo-fast convert-checkpoint OLD NEW --trust``) re-saves one you trust, and is the one place a checkpoint is
@@ -26,8 +33,10 @@ unpickled without the allow-list.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import logging
 import os
 import pickle
 import random
@@ -36,10 +45,15 @@ import shlex
 import shutil
 import stat
 import tempfile
+import zipfile
+from contextlib import nullcontext
 from pathlib import Path
 from typing import IO, Any
 
 import torch
+from torch import _weights_only_unpickler  # torch's own allow-list of globals, and its unpickler
+
+from grpo_fast.train.pickle_walk import walk_pickle
 
 _NAME = re.compile(r"^checkpoint-(\d{6,})\.(pt|dcp)$")
 TRAINER_STATE = "trainer_state.pt"  # inside a sharded checkpoint: step, scheduler, sampler, RNG, config
@@ -66,6 +80,8 @@ _ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 # a 10-byte long after the pickle's protocol (and frame) opcodes
 _LEGACY_MAGIC = torch.serialization.MAGIC_NUMBER.to_bytes(10, "little")
 _HEAD_BYTES = 32
+_CHUNK = 1 << 20  # the checksums are computed over reads of this size: memory stays flat whatever the file
+logger = logging.getLogger("grpo_fast.train")
 
 
 class DamagedCheckpoint(ValueError):
@@ -75,6 +91,21 @@ class DamagedCheckpoint(ValueError):
 class UnsafeCheckpoint(ValueError):
     """A checkpoint refused before it was unpickled: reading it would take a pickle global (a class or a function)
     beyond what a checkpoint holds, which is how a pickle runs code. The message names the file and the global."""
+
+
+class DiskFull(OSError):
+    """A write that ran out of disk space (``ENOSPC`` or ``EDQUOT``, or what torch's zip writer and safetensors make
+    of them): the message names what was being written, the space left and what was kept. An OSError (errno
+    ENOSPC), so the CLI reports it in one line."""
+
+    def __init__(self, message: str):
+        super().__init__(errno.ENOSPC, message)
+
+    def __str__(self) -> str:
+        return self.strerror
+
+    def __reduce__(self):  # one argument, not OSError's two (an error crosses processes pickled)
+        return DiskFull, (self.strerror,)
 
 
 def checkpoint_path(directory: Path, step: int, sharded: bool = False) -> Path:
@@ -91,24 +122,87 @@ def list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 
 def save_atomic(state: dict, path: Path) -> None:
-    """Writes ``state`` to ``path`` with ``torch.save``, all or nothing. ``state`` must hold only what :func:`load`
-    reads back (:data:`PLAIN_TYPES`): anything else is refused here rather than at the resume."""
+    """Writes ``state`` to ``path`` with ``torch.save`` (the CRC-32 of every record included, which :func:`load`
+    verifies), all or nothing. ``state`` must hold only what :func:`load` reads back (:data:`PLAIN_TYPES`): anything
+    else is refused here rather than at the resume. A full disk raises :class:`DiskFull` once the temporary file is
+    removed; ``path``, if it existed, is as it was."""
     where = _not_plain(state)
     if where is not None:
         raise ValueError(f"save_atomic: the state holds {where}, which a checkpoint cannot hold (only "
                          f"{_PLAIN_NAMES}); nothing was written")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(tmp, "wb") as f:
+                _torch_save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(path.parent)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        raise disk_full(path, "its partial file was removed and nothing else was changed") from None
+
+
+def _torch_save(state: Any, f: IO[bytes]) -> None:
+    """``torch.save(state, f)`` with the CRC-32 of every record written, whatever
+    ``torch.serialization.set_crc32_options`` says elsewhere in the process (:func:`load` verifies them)."""
+    computed = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        torch.save(state, f)
     finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+        torch.serialization.set_crc32_options(computed)
+
+
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# a full disk once it is wrapped: torch's zip writer swallows the OSError of a short write and raises "unexpected
+# pos" (the OSError stays in __context__ when the writer was a Python file); safetensors formats Rust's io::Error
+_DISK_FULL_TEXTS = ("No space left on device", "Disk quota exceeded", "StorageFull", "QuotaExceeded",
+                    "unexpected pos")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether ``error`` (an OSError, torch.save's RuntimeError, a SafetensorError, a torch.distributed.checkpoint
+    CheckpointException) is a write that ran out of disk space. An errno anywhere in its chain of causes decides;
+    without one, the message does."""
+    queue, seen, texts = [error], set(), []
+    while queue and len(seen) < 64:  # a chain, or DCP's failures of every rank: a few links
+        e = queue.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e.errno in _DISK_FULL_ERRNOS
+        texts.append(str(e))
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            queue.extend(f[0] if isinstance(f, tuple) else f for f in failures.values())
+        queue.extend((e.__cause__, e.__context__))
+    return any(text in t for t in texts for text in _DISK_FULL_TEXTS)
+
+
+def _space_left(directory: Path) -> str:
+    """``the disk is full (12.0 KiB free in DIR)``; the free space left out where it cannot be read."""
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        return "the disk is full"
+    size = next((f"{free / 2**k:.1f} {unit}" for k, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB"))
+                 if free >= 2**k), f"{free} B")
+    return f"the disk is full ({size} free in {directory})"
+
+
+def disk_full(path: str | Path, kept: str) -> DiskFull:
+    """The :class:`DiskFull` of a write of ``path`` (a file or directory) that ran out of space; ``kept``: what the
+    user keeps (what is left of the write was removed)."""
+    path = Path(path)
+    return DiskFull(f"cannot write {path}: {_space_left(path.parent)}; {kept}")
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -166,9 +260,14 @@ def _refusal(name: str, unsafe: list[str]) -> str:
 def check_safe(file: str | os.PathLike | IO[bytes], name: str | None = None) -> None:
     """Raises :class:`UnsafeCheckpoint` when the pickle inside ``file`` (a ``torch.save`` archive: a path or a
     seekable binary file) names a global outside torch's ``weights_only`` set (tensors, storages, dtypes,
-    OrderedDict), :class:`DamagedCheckpoint` when ``file`` is no readable archive. Unpickles nothing: it reads the
-    pickle's opcodes (``torch.serialization.get_unsafe_globals_in_checkpoint``). ``name``: the file in messages."""
-    name = str(file) if name is None else name
+    OrderedDict), :class:`DamagedCheckpoint` when ``file`` is no readable archive or a record of it fails its CRC-32
+    check. Unpickles nothing: it reads the pickle's opcodes (:func:`~grpo_fast.train.pickle_walk.walk_pickle`). ``name``: the file in messages."""
+    _inspect(file, str(file) if name is None else name)
+
+
+def _inspect(file: str | os.PathLike | IO[bytes], name: str) -> bytes | None:
+    """:func:`check_safe`; returns the pickle rewritten in the opcodes torch's weights-only unpickler takes when the
+    file's own needs rewriting (protocol 3 to 5), None when ``torch.load`` reads it as it is."""
     buffer = not isinstance(file, (str, os.PathLike))
     if not buffer:  # a dangling link, a directory or a FIFO of a checkpoint's name: named, never opened
         try:
@@ -181,43 +280,89 @@ def check_safe(file: str | os.PathLike | IO[bytes], name: str | None = None) -> 
                     else "not a regular file")
             raise DamagedCheckpoint(f"{name} cannot be read (it is {kind}, not a file)")
     start = file.tell() if buffer else 0
-    head = magic = b""
+    magic = b""
     try:
-        if buffer:
-            head = file.read(_HEAD_BYTES)
-            file.seek(start)
-        else:
-            with open(file, "rb") as f:
-                head = f.read(_HEAD_BYTES)
-        magic = head[:len(_ZIP_MAGIC)]
-        if magic != _ZIP_MAGIC:
-            what = ("the file is empty" if not head else
-                    "an old (non-zip) torch.save format; re-save it with a current torch" if _LEGACY_MAGIC in head
-                    else "not a torch.save archive")
-            raise DamagedCheckpoint(f"{name} cannot be read ({what})")
-        unsafe = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(file))
+        with nullcontext(file) if buffer else open(file, "rb") as f:
+            head = f.read(_HEAD_BYTES)
+            f.seek(start)
+            magic = head[:len(_ZIP_MAGIC)]
+            if magic != _ZIP_MAGIC:
+                what = ("the file is empty" if not head else
+                        "an old (non-zip) torch.save format; re-save it with a current torch" if _LEGACY_MAGIC in head
+                        else "not a torch.save archive")
+                raise DamagedCheckpoint(f"{name} cannot be read ({what})")
+            _verify_checksums(f, name)
+            f.seek(start)
+            records = torch._C.PyTorchFileReader(f)  # torch.load's reader: the pickle walked is the one it unpickles
+            if records.has_record("constants.pkl"):
+                raise DamagedCheckpoint(f"{name} cannot be read (a TorchScript archive, not a torch.save checkpoint)")
+            data = records.get_record("data.pkl")
     except DamagedCheckpoint:
         raise
-    except Exception as e:  # a missing file, a truncated archive, a pickle cut short: anything from OSError on
+    except Exception as e:  # a missing file, a truncated archive: anything from OSError on
         what = "a truncated or damaged archive: " if magic else ""
         raise DamagedCheckpoint(f"{name} cannot be read ({what}{_reason(e)})") from None
     finally:
         if buffer:
             file.seek(start)
-    if unsafe:
+    walk = walk_pickle(data)
+    allowed = {*_weights_only_unpickler._get_allowed_globals(), *_weights_only_unpickler._get_user_allowed_globals()}
+    unsafe = sorted(g for g in walk.globals if g not in allowed)
+    if unsafe:  # before a malformed or unsupported pickle: a payload followed by garbage is still a payload
         raise UnsafeCheckpoint(_refusal(name, unsafe))
+    if walk.error is not None:
+        raise DamagedCheckpoint(f"{name} cannot be read (its pickle is malformed: {walk.error})")
+    if walk.unsupported:
+        ops = sorted(walk.unsupported)
+        raise DamagedCheckpoint(f"{name} cannot be read (its pickle uses the opcode {ops[0]}"
+                                + (f" (and {', '.join(ops[1:])})" if len(ops) > 1 else "")
+                                + ", which torch's weights-only unpickler does not take; re-save it with torch.save)")
+    return walk_pickle(data, walk.elided).rewritten if walk.rewrite else None
+
+
+def _verify_checksums(f: IO[bytes], name: str) -> None:
+    """Raises :class:`DamagedCheckpoint` naming the record of the zip archive ``f`` whose bytes do not match the
+    CRC-32 its writer stored for it: flipped or overwritten bytes, which torch's reader would load as they are (it
+    does not check them). Reads each record once, in chunks. An archive written without checksums
+    (``torch.serialization.set_crc32_options(False)``: every stored CRC is 0) is read with a warning."""
+    with zipfile.ZipFile(f) as archive:
+        records = archive.infolist()
+        names = set()
+        for record in records:  # two records of one name: which one a reader takes is its own choice
+            if record.filename in names:
+                raise DamagedCheckpoint(f"{name} cannot be read (a damaged archive: two records named "
+                                        f"{record.filename})")
+            names.add(record.filename)
+        if not any(record.CRC for record in records if record.file_size):
+            logger.warning("%s carries no checksums (it was written with torch.serialization.set_crc32_options("
+                           "False)): read without an integrity check", name)
+            return
+        for record in records:
+            try:
+                with archive.open(record) as data:
+                    while data.read(_CHUNK):
+                        pass
+            except zipfile.BadZipFile as e:
+                if "CRC" not in str(e):
+                    raise
+                raise DamagedCheckpoint(f"{name} cannot be read (its record {record.filename} fails its CRC-32 "
+                                        "check: its bytes changed after it was written)") from None
 
 
 def load(file: str | os.PathLike | IO[bytes], name: str | None = None) -> Any:
     """The one reader of checkpoint files (a ``.pt`` checkpoint, a ``.dcp``'s ``trainer_state.pt`` and its
     non-tensor entries): ``torch.load(file, map_location="cpu", weights_only=True)`` of a file :func:`check_safe`
-    passed, whose content must be plain (:data:`PLAIN_TYPES`). ``name``: the file in messages (default: its path).
-    Raises :class:`UnsafeCheckpoint` or :class:`DamagedCheckpoint`; never runs code from the file."""
+    passed (its checksums verified, its globals torch's), whose content must be plain (:data:`PLAIN_TYPES`).
+    ``name``: the file in messages (default: its path). Raises :class:`UnsafeCheckpoint` or
+    :class:`DamagedCheckpoint`; never runs code from the file."""
     name = str(file) if name is None else name
-    check_safe(file, name)
+    rewritten = _inspect(file, name)
     try:
         # on the CPU: RNG states must stay CPU byte tensors; load_state_dict moves the rest where it belongs
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        if rewritten is None:
+            state = torch.load(file, map_location="cpu", weights_only=True)
+        else:
+            state = _load_rewritten(file, rewritten)
     except pickle.UnpicklingError as e:  # the scan passed, torch's unpickler did not: a global pushed at load time
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
         why = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), _reason(e))
@@ -229,6 +374,33 @@ def load(file: str | os.PathLike | IO[bytes], name: str | None = None) -> Any:
     if where is not None:
         raise DamagedCheckpoint(f"{name} holds {where}, which no checkpoint holds (only {_PLAIN_NAMES})")
     return state
+
+
+class _RewrittenArchive:
+    """torch's reader of a ``torch.save`` archive, whose ``data.pkl`` reads as the rewritten pickle."""
+
+    def __init__(self, records, pickled: bytes):
+        self._records, self._pickled = records, pickled
+
+    def get_record(self, name: str):
+        return self._pickled if name == "data.pkl" else self._records.get_record(name)
+
+    def __getattr__(self, attr: str):
+        return getattr(self._records, attr)
+
+
+def _load_rewritten(file: str | os.PathLike | IO[bytes], pickled: bytes) -> Any:
+    """What ``torch.load(file, map_location="cpu", weights_only=True)`` returns for the archive ``file`` with
+    ``pickled`` as its pickle: torch.load's own steps (``torch.serialization._load`` with torch's weights-only
+    unpickler, which checks every global again), on the archive whose pickle :func:`_inspect` rewrote."""
+    buffer = not isinstance(file, (str, os.PathLike))
+    start = file.tell() if buffer else 0
+    try:  # (a path is read by torch itself, as torch.load reads it: the storages do not pass through Python)
+        records = _RewrittenArchive(torch._C.PyTorchFileReader(file if buffer else os.fspath(file)), pickled)
+        return torch.serialization._load(records, "cpu", _weights_only_unpickler, encoding="utf-8")
+    finally:
+        if buffer:
+            file.seek(start)
 
 
 def check_weights(directory: str | Path, flag: str, stem: str = "model") -> None:
@@ -433,12 +605,19 @@ def save_sharded(model, optimizer, trainer_state: dict, path: Path, is_main: boo
         tmp.mkdir(parents=True)
     barrier()
     model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
-    barrier()
-    if is_main:
-        save_atomic(trainer_state, tmp / TRAINER_STATE)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
+        barrier()
+        if is_main:
+            save_atomic(trainer_state, tmp / TRAINER_STATE)
+            os.replace(tmp, path)
+            _fsync_dir(path.parent)
+    except BaseException as e:  # DCP raises a failed write on every rank as a CheckpointException (a BaseException)
+        if not is_disk_full(e):
+            raise
+        if is_main:
+            remove(tmp)
+        raise disk_full(path, "its partial directory was removed and nothing else was changed") from None
     barrier()
 
 
@@ -539,7 +718,13 @@ def convert(old: str | Path, new: str | Path) -> Path:
         raise FileExistsError(f"NEW: {typed} exists; choose a new path, or pass OLD again to convert it in place")
     check_writable(new.parent, "NEW", typed)  # before anything is read: the temporary files go next to NEW
     try:
+        with open(source, "rb") as f:  # trusted not to run code, not to be intact: its checksums first
+            if f.read(len(_ZIP_MAGIC)) == _ZIP_MAGIC:
+                f.seek(0)
+                _verify_checksums(f, f"OLD: {source}")
         state = torch.load(source, map_location="cpu", weights_only=False)  # trusted: it may run what it holds
+    except DamagedCheckpoint:
+        raise
     except Exception as e:
         raise DamagedCheckpoint(f"OLD: {source} cannot be read ({_reason(e)})") from None
     if not isinstance(state, dict):
@@ -547,7 +732,7 @@ def convert(old: str | Path, new: str | Path) -> Path:
     if isinstance(state.get("rng"), dict):
         state["rng"] = _portable_rng(state["rng"])
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    _torch_save(state, buffer)
     buffer.seek(0)
     try:  # what resume and export will read: refused here, before anything is written
         load(buffer, f"{source} (converted)")
@@ -565,5 +750,7 @@ def convert(old: str | Path, new: str | Path) -> Path:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     except OSError as e:  # what the check cannot foresee (a full disk): about NEW, not its temporary name
+        if is_disk_full(e):
+            raise DiskFull(f"NEW: {disk_full(typed, 'what was written of it was removed; OLD is as it was')}") from None
         raise OSError(f"NEW: writing {typed} failed ({e.strerror or e})") from None
     return new

@@ -72,9 +72,21 @@ def save_model(model, tokenizer, directory: str | Path, *, merge_lora: bool = Fa
     ``merge_lora``: a PEFT model is merged into its base (in place: the model then has no adapters) and written as
     full weights; otherwise a PEFT model writes its adapter only, and ``base_model`` (a directory) is recorded as its
     ``base_model_name_or_path``. ``max_new_tokens``: the completion length the model was trained with, written to
-    its generation config (the default length of ``generate``, vLLM and ``grpo-fast eval``).
+    its generation config (the default length of ``generate``, vLLM and ``grpo-fast eval``). A full disk raises
+    ``checkpoint.DiskFull`` (one line: the directory, the space left) once the partial directory is removed.
     """
     directory = Path(directory)
+    try:
+        _save_model(model, tokenizer, directory, merge_lora, state_dict, base_model, max_new_tokens)
+    except Exception as e:  # the temporary directory is gone: the message can say so, with the space it freed
+        if not ckpt.is_disk_full(e):
+            raise
+        earlier = f"; the earlier {directory} is intact" if directory.exists() else ""
+        raise ckpt.disk_full(directory, f"the partial export was removed{earlier}") from None
+    return directory
+
+
+def _save_model(model, tokenizer, directory: Path, merge_lora: bool, state_dict, base_model, max_new_tokens) -> None:
     tmp = directory.with_name(f".{directory.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -105,7 +117,6 @@ def save_model(model, tokenizer, directory: str | Path, *, merge_lora: bool = Fa
         os.replace(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return directory
 
 
 def _set_generation_config(model, tokenizer, max_new_tokens: int | None) -> None:
@@ -191,5 +202,7 @@ def export_checkpoint(checkpoint: str | Path, out_dir: str | Path, merge_lora: b
     try:
         return save_model(model, tokenizer, out, merge_lora=merge_lora, base_model=base_model_path(config),
                           max_new_tokens=config.max_new_tokens)
-    except OSError as e:  # what the check cannot foresee (a full disk): about OUT_DIR, not its temporary name
+    except ckpt.DiskFull as e:
+        raise ckpt.DiskFull(f"OUT_DIR: {e}") from None
+    except OSError as e:  # what the check cannot foresee: about OUT_DIR, not its temporary name
         raise OSError(f"OUT_DIR: writing {out_dir} failed ({e.strerror or e})") from None

@@ -154,7 +154,11 @@ def fit(prepared: Prepared) -> Summary:
     except RewardError as e:
         e.when, e.checkpoint = "in the evaluation after training", path
         raise
-    save_trained_model(run, prepared.out_dir / MODEL_DIR)
+    try:
+        save_trained_model(run, prepared.out_dir / MODEL_DIR)
+    except ckpt.DiskFull as e:
+        raise ckpt.DiskFull(f"{e}; the trained run is saved in {path} (step {run.step}): free some space, then write "
+                            f"the model with: grpo-fast export {path} {prepared.out_dir / MODEL_DIR}") from None
     if main:
         log.write_footer({"eval_after": eval_after})
         if config.plot:
@@ -292,13 +296,21 @@ def save_checkpoint(run: Run, directory: Path) -> Path:
     }
     sharded = world.strategy == "fsdp2"
     path = ckpt.checkpoint_path(directory, run.step, sharded=sharded)
-    if sharded:
-        ckpt.save_sharded(run.model, run.optimizer, trainer_state, path, world.is_main, lambda: dist_.barrier(world))
-    else:
-        dist_.check_replicas(run.model, world)
-        if world.is_main:
-            ckpt.save_atomic({**trainer_state, "model": trained_state(run.model, run.config),
-                              "optimizer": run.optimizer.state_dict()}, path)
+    try:
+        if sharded:
+            ckpt.save_sharded(run.model, run.optimizer, trainer_state, path, world.is_main,
+                              lambda: dist_.barrier(world))
+        else:
+            dist_.check_replicas(run.model, world)
+            if world.is_main:
+                ckpt.save_atomic({**trainer_state, "model": trained_state(run.model, run.config),
+                                  "optimizer": run.optimizer.state_dict()}, path)
+    except ckpt.DiskFull as e:  # the run stops here: what is kept, and how to go on
+        found = ckpt.list_checkpoints(directory)  # (path among them only if it was there before: untouched)
+        kept = (f"the newest checkpoint, {found[-1][1]} (step {found[-1][0]}), is intact: free some space, then "
+                "continue with --resume" if found else "no checkpoint was saved before it: free some space, then "
+                "start again with --overwrite")
+        raise ckpt.DiskFull(f"{e}; {kept}") from None
     if world.is_main:
         ckpt.prune(directory, run.config.keep_checkpoints)
     dist_.barrier(world)
