@@ -158,8 +158,8 @@ def test_untied_50m_class_model_greedy_and_sync():
 def calc_agent():
     """A tiny calc model after a short supervised warm-up (so that greedy decoding calls the tool), and its agent."""
     from grpo_fast.agents import Agent
-    from grpo_fast.agents.warmup import calc_demonstration, supervised_warmup
-    from grpo_fast.train.tasks import builtin_records, calc
+    from grpo_fast.agents.warmup import supervised_warmup
+    from grpo_fast.train.tasks import builtin_records, calc, calc_demonstration
 
     tok = tiny_tokenizer("calc")
     model = tiny_model(tok, seed=0)

@@ -14,7 +14,7 @@ import torch
 from grpo_fast.logprobs import fused_logprobs
 from grpo_fast.train.forward import completion_hidden, head_of
 
-__all__ = ["Demonstration", "calc_demonstration", "supervised_warmup"]
+__all__ = ["Demonstration", "supervised_warmup"]
 
 
 @dataclass(frozen=True)
@@ -29,18 +29,6 @@ class Demonstration:
         ids = [t for segment, _ in self.segments for t in segment]
         mask = [int(trained) for segment, trained in self.segments for _ in segment]
         return ids, mask
-
-
-def calc_demonstration(record: dict, tokenizer, fmt) -> Demonstration:
-    """The calc task solved with its tool: ``a*b<call>``, the result the tool gives, ``<eos>``."""
-    from grpo_fast.train.tasks import CALL_TOKEN, calc
-
-    encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
-    expression = record["prompt"].rstrip("=")
-    call = encode(expression) + (tokenizer.convert_tokens_to_ids(CALL_TOKEN),)
-    result = tuple(fmt.suffix_ids([("calc", calc(expression))]))
-    return Demonstration(list(encode(record["prompt"])), ((call, True), (result, False),
-                                                          ((tokenizer.eos_token_id,), True)))
 
 
 def _batch(demos: Sequence[Demonstration], pad_id: int) -> tuple[torch.Tensor, ...]:

@@ -83,6 +83,18 @@ def _arithmetic(node: ast.expr) -> int:
     raise ValueError(f"calc takes integers with + - * only, got {ast.unparse(node)[:40]!r}")
 
 
+def calc_demonstration(record: dict, tokenizer, fmt) -> Demonstration:
+    """The calc task solved with its tool: ``a*b<call>``, the result the tool gives, ``<eos>``."""
+    from grpo_fast.agents.warmup import Demonstration
+
+    encode = lambda text: tuple(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    expression = record["prompt"].rstrip("=")
+    call = encode(expression) + (tokenizer.convert_tokens_to_ids(CALL_TOKEN),)
+    result = tuple(fmt.suffix_ids([("calc", calc(expression))]))
+    return Demonstration(list(encode(record["prompt"])), ((call, True), (result, False),
+                                                          ((tokenizer.eos_token_id,), True)))
+
+
 def _calc_example(rng: random.Random) -> dict:
     a, b = rng.randint(10, 999), rng.randint(10, 999)
     return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
