@@ -141,11 +141,8 @@ def group_advantages(
     if reward_weights is None:
         weights = torch.ones(k, dtype=dtype, device=rewards.device)
     else:
-        weights = torch.as_tensor(reward_weights, dtype=dtype, device=rewards.device)
-        if weights.shape != (k,):
-            raise ValueError(f"{fn}: reward_weights must have {k} entries (one per reward column), "
-                             f"got shape {tuple(weights.shape)}")
-        checks.check_finite(fn, "reward_weights", weights)
+        weights = checks.real_vector(fn, "reward_weights", reward_weights, k, dtype=dtype, device=rewards.device,
+                                     what="one per reward column")
     if bool(torch.isinf(r).any()):
         raise ValueError(f"{fn}: rewards must be finite or NaN (no score), got inf in {checks.describe(rewards)}")
 

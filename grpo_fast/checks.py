@@ -11,11 +11,28 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
+# The ops take their scalar options (clip ranges, temperatures, coefficients) as float32: a value beyond float32's
+# range would become inf there (or, in torch.where, a RuntimeError in step 1), so the configs refuse it up front.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # 1.2e-38, the smallest normal float32 (GPUs flush below it)
+# The smallest temperature: of sampling (--temperature), of the loss and fused_logprobs (the logits are divided by it)
+# and of SAPO's gates. The logits z are divided by T in float32, so z / T overflows once T < |z| / 3.4e38 (T = 1e-40,
+# a float32 subnormal, overflows for every |z| > 0.034); long before that the log-probs, of size |z| / T, outgrow the
+# loss's exponentials: the KL term exp(ref - logp) overflows once a logit moves by 88 T between the policy and the
+# reference. vLLM, one of the rollout engines, raises any temperature below 1e-2 to 1e-2 (with a warning): a smaller
+# one would train on other log-probs than those sampled. SAPO's gate gives -4 sigmoid(tau (r - 1)) / tau * A, a
+# constant 2 A / tau plus (r - 1) A: 4 / tau overflows float32 below tau = 1.2e-38, and its value is noise long before.
+MIN_TEMPERATURE = 1e-2
+TEMPERATURE_RANGE = f"[{MIN_TEMPERATURE:g}, {FLOAT32_MAX:.3g}]"
+
 
 def describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
-    return f"{type(x).__name__} {x!r}"
+    kind = type(x).__name__
+    if type(x).__module__ == "numpy":  # numpy.bool is no bool, and says so only by its module
+        kind = f"numpy.{kind}"
+    return f"{kind} {x!r}"
 
 
 def _tracing() -> bool:
@@ -37,8 +54,9 @@ def check_tensor(fn: str, name: str, x, *, shape=None, ndim=None, dtypes=None, d
             f"{fn}: {name} must hold data, got a meta tensor ({describe(x)}); materialise the model first "
             "(e.g. module.to_empty(device=...) and load its weights)"
         )
-    if ndim is not None and x.dim() not in (ndim if isinstance(ndim, tuple) else (ndim,)):
-        raise ValueError(f"{fn}: {name} must have {ndim} dimensions, got {describe(x)}")
+    allowed = ndim if isinstance(ndim, tuple) else (ndim,)
+    if ndim is not None and x.dim() not in allowed:
+        raise ValueError(f"{fn}: {name} must have {' or '.join(map(str, allowed))} dimensions, got {describe(x)}")
     if shape is not None:
         ok = len(shape) == x.dim() and all(s is None or s == d for s, d in zip(shape, x.shape))
         if not ok:
@@ -149,6 +167,68 @@ def real_value(label: str, value, *, low=None, high=None, strict=False) -> float
     return number
 
 
+def float32_value(label: str, value, *, low=None, high=None, strict=False) -> float:
+    """``real_value`` of a scalar the ops take as float32: also within float32's range (``|value| <= 3.4e38``)."""
+    number = real_value(label, value, low=low, high=high, strict=strict)
+    if abs(number) > FLOAT32_MAX:
+        raise ValueError(f"{label} must be within float32's range (|x| <= {FLOAT32_MAX:.3g}: the ops take it as a "
+                         f"float32 scalar), got {value!r}")
+    return number
+
+
+LOGITS_TEMPERATURE = ("the logits are divided by it, and below 0.01 their float32 quotients overflow or outgrow the "
+                      "loss's exponentials (vLLM samples at 0.01 there)")
+SAPO_TEMPERATURE = ("the loss holds 4 / tau, whose constant part 2 A / tau swamps the value below 0.01 and overflows "
+                    "float32 below 1.2e-38")
+
+
+def temperature_value(label: str, value, reason: str = LOGITS_TEMPERATURE) -> float:
+    """A temperature (sampling's, the loss's, fused_logprobs', a SAPO gate's) in ``TEMPERATURE_RANGE``: finite, at
+    least ``MIN_TEMPERATURE`` (why: its comment) and a float32. ``label`` names it as the caller knows it; ``reason``
+    says what a value below the floor breaks."""
+    number = real_value(label, value)
+    if number < MIN_TEMPERATURE * (1 - 2**-23):  # np.float32(0.01), 0.0099999998, is 0.01 too
+        raise ValueError(f"{label} must be in {TEMPERATURE_RANGE}, got {value!r}: {reason}")
+    if number > FLOAT32_MAX:
+        raise ValueError(f"{label} must be in {TEMPERATURE_RANGE}, got {value!r}: the ops take it as a float32 scalar")
+    return number
+
+
+def check_bool(label: str, value) -> bool:
+    """``value`` as a Python bool: a bool or a numpy bool (which is no ``bool`` subclass); anything else (1, "no")
+    is refused rather than read as true or false."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")):
+        return bool(value)
+    raise TypeError(f"{label} must be True or False, got {describe(value)}")
+
+
+def _float_or_inf(value) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the float range
+        return math.inf if value > 0 else -math.inf
+
+
+def real_vector(fn: str, name: str, value, size: int, *, dtype: torch.dtype, device, what: str) -> torch.Tensor:
+    """``size`` finite numbers given as a list or tuple of Python or numpy numbers, a numpy array or a real tensor,
+    as a ``[size]`` tensor of ``dtype`` on ``device``; ``what`` says what they are ("one per reward column")."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", 0) >= 1:  # an array; a numpy scalar is refused
+        value = value.tolist()
+    if isinstance(value, torch.Tensor):
+        ok = not (value.dtype == torch.bool or value.is_complex() or value.is_meta) and tuple(value.shape) == (size,)
+    else:
+        ok = isinstance(value, (list, tuple)) and len(value) == size and all(is_real(v) for v in value)
+    if not ok:
+        raise ValueError(f"{fn}: {name} must have {size} entries ({what}), finite numbers as a list, tuple or 1-d "
+                         f"tensor; got {describe(value)}")
+    if isinstance(value, torch.Tensor):
+        tensor = value.to(device=device, dtype=dtype)
+    else:
+        tensor = torch.tensor([_float_or_inf(v) for v in value], dtype=dtype, device=device)
+    check_finite(fn, name, tensor)
+    return tensor
+
+
 def check_positive_scalar(fn: str, name: str, value, optional=False) -> float | None:
     """A finite number > 0 (Python or numpy), returned as a Python float; None passes when ``optional``."""
     if value is None and optional:
@@ -156,6 +236,18 @@ def check_positive_scalar(fn: str, name: str, value, optional=False) -> float | 
     number = real_value(f"{fn}: {name}", value) if is_real(value) else math.nan
     if not number > 0:
         raise ValueError(f"{fn}: {name} must be a finite number > 0, got {value!r}")
+    return number
+
+
+def check_softcap(label: str, value) -> float | None:
+    """None (off) or a softcap ``s`` of ``s * tanh(z / s)`` a float32 can hold as a divisor: a normal float32
+    (``[1.2e-38, 3.4e38]``; a subnormal one is 0 on a GPU, and z / 0 is NaN)."""
+    if value is None:
+        return None
+    number = real_value(label, value)
+    if not FLOAT32_TINY <= number <= FLOAT32_MAX:
+        raise ValueError(f"{label} must be in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (a normal float32: the logits "
+                         f"are divided by it), got {value!r}")
     return number
 
 

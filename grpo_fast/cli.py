@@ -83,26 +83,38 @@ def resume_command(argv: list[str]) -> str:
     return f"{prog} {shlex.join([*args, '--resume'])}"
 
 
-def _flag_names(message: str, overrides: dict, file_values: dict) -> str:
-    """The message with each config field named as the flag that sets it, ``TrainConfig.max_new_tokens`` ->
-    ``--max-new-tokens``, ``GRPOLossConfig.beta`` -> ``--loss.beta``, unless its value came from the config file
-    (``file_values``) and no flag overrode it: those keep the names the file uses."""
-    from grpo_fast.train.config import field_help
+def _option_names(message: str, overrides: dict, file_values: dict, file_name: str) -> str:
+    """The message with each config field named as the user set it: by its flag (``TrainConfig.max_new_tokens`` ->
+    ``--max-new-tokens``, ``GRPOLossConfig.beta`` -> ``--loss.beta``; the loss fields the trainer sets, by the
+    option they come from: ``GRPOLossConfig.temperature`` -> ``--temperature``), unless its value came from the
+    config file and no flag overrode it: then by the file's key as typed (``reward-weights``, ``loss.beta``), the
+    message starting with ``file_name`` (``--config c.toml: ...``)."""
+    from grpo_fast.train.config import TRAINER_OWNED_FROM, field_help
 
-    flags = {flag for _, flag, _, _ in field_help()}
-    loss_table = file_values.get("loss") if isinstance(file_values.get("loss"), dict) else {}
-
-    def flag(match: re.Match) -> str:
-        owner, field = match.groups()
-        if owner == "GRPOLossConfig":
-            dest, from_file = f"loss.{field}", field in loss_table or f"loss.{field}" in file_values
+    flags = {flag[2:].replace("-", "_"): flag for _, flag, _, _ in field_help()}  # max_new_tokens: --max-new-tokens
+    typed: dict[str, str] = {}  # option (loss.beta) -> the file's key for it as typed
+    for key, value in file_values.items():
+        if not isinstance(key, str):
+            continue
+        if key == "loss" and isinstance(value, dict):  # a [loss] table
+            typed.update({f"loss.{k.replace('-', '_')}": f"loss.{k}" for k in value if isinstance(k, str)})
         else:
-            dest, from_file = field.replace("_", "-"), field in file_values
-        if f"--{dest}" not in flags or (from_file and dest not in overrides):
-            return match.group(0)
-        return f"--{dest}"
+            typed[key.replace("-", "_")] = key
+    overridden = {k.replace("-", "_") for k in overrides}
+    from_file = []
 
-    return re.sub(r"\b(TrainConfig|GRPOLossConfig)\.(\w+)", flag, message)
+    def name(match: re.Match) -> str:
+        owner, field = match.groups()
+        option = TRAINER_OWNED_FROM.get(field, f"loss.{field}") if owner == "GRPOLossConfig" else field
+        if option in typed and option not in overridden:
+            from_file.append(option)
+            return typed[option]
+        return flags.get(option, match.group(0))
+
+    named = re.sub(r"\b(TrainConfig|GRPOLossConfig)\.(\w+(?:\.\w+)?)", name, message)
+    if from_file and not named.startswith(f"{file_name}: "):
+        named = f"{file_name}: {named}"
+    return named
 
 
 def _error(args: argparse.Namespace, message: str, error: BaseException) -> None:
@@ -155,6 +167,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from grpo_fast.train.config import read_config_file
     from grpo_fast.train.distributed import shutdown
     from grpo_fast.train.rewards import RewardError
+    from grpo_fast.train.checkpoint import DiskFull
     from grpo_fast.train.lifecycle import TrainingInterrupted
 
     overrides = train_overrides(args)
@@ -166,7 +179,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         e.when = e.when or "in the evaluation before training"
         return _reward_failed(args, argv, e)
     except _INPUT_ERRORS as e:  # a one-line message that names the option; errors later keep their traceback
-        _error(args, _flag_names(str(e), overrides, file_values), e)
+        _error(args, _option_names(str(e), overrides, file_values, f"--config {args.config}"), e)
         return 2
     except KeyboardInterrupt:
         print(f"grpo-fast {args.command}: interrupted before the first step; nothing was trained or saved",
@@ -189,6 +202,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             del prepared
             shutdown(world)
         return INTERRUPTED
+    except DiskFull as e:  # the partial file was removed; the message says which checkpoint is intact
+        if prepared.run.world.is_main:
+            _error(args, str(e), e)
+        return 1
     world = prepared.run.world
     if world.is_main:
         print(summary.line())
@@ -344,7 +361,10 @@ def _eval_parser(sub) -> None:
 
 
 def _eval_options(args: argparse.Namespace):
-    """``EvalOptions`` from the parsed strings; a ValueError names the flag of a value that does not convert."""
+    """``EvalOptions`` from the parsed strings; a ValueError names the flag of a value that does not convert, or
+    that no run could take (a temperature below 0.01 but for 0, greedy; a seed beyond 32 bits)."""
+    from grpo_fast.checks import temperature_value
+    from grpo_fast.train.config import check_seed
     from grpo_fast.train.evaluation import EvalOptions
 
     def convert(flag, kind, value):
@@ -357,17 +377,21 @@ def _eval_options(args: argparse.Namespace):
 
     if not args.model or not args.dataset:
         raise ValueError(f"{'--model' if not args.model else '--dataset'} is required (grpo-fast eval --help)")
+    temperature = convert("--temperature", float, args.temperature)
+    if temperature is not None and temperature > 0:  # 0 is greedy; below 0 and NaN: EvalOptions.check
+        temperature_value("--temperature", temperature)
+    seed = check_seed("--seed", convert("--seed", int, args.seed))
     return EvalOptions(
         model=args.model, dataset=args.dataset, rewards=[r.strip() for r in args.rewards.split(",") if r.strip()],
         reward_weights=[convert("--reward-weights", float, w) for w in args.reward_weights.split(",") if w.strip()],
-        samples=convert("--samples", int, args.samples), temperature=convert("--temperature", float, args.temperature),
+        samples=convert("--samples", int, args.samples), temperature=temperature,
         top_p=convert("--top-p", float, args.top_p),
         max_new_tokens=convert("--max-new-tokens", int, args.max_new_tokens),
         limit=convert("--limit", int, args.limit), batch_size=convert("--batch-size", int, args.batch_size),
         prompt_column=args.prompt_column, system_prompt=args.system_prompt,
         max_prompt_length=convert("--max-prompt-length", int, args.max_prompt_length),
         pass_threshold=convert("--pass-threshold", float, args.pass_threshold), base_model=args.base_model,
-        device=args.device, dtype=args.dtype, seed=convert("--seed", int, args.seed),
+        device=args.device, dtype=args.dtype, seed=seed,
     )
 
 

@@ -12,7 +12,7 @@ import json
 import numbers
 from dataclasses import dataclass
 
-from grpo_fast.checks import real_value
+from grpo_fast.checks import SAPO_TEMPERATURE, check_bool, check_softcap, float32_value, temperature_value
 
 
 class LossType(str, enum.Enum):
@@ -72,15 +72,16 @@ class GRPOLossConfig:
                                         "bound, the cap on the ratio itself (TRL recommends 5.0)")
     delta: float | None = _field(None, "two-sided clipping: cap the unclipped ratio at delta (None: off)")
     importance_sampling_level: str = _field("token", "token, or sequence (GSPO)")
-    temperature: float = _field(1.0, "the logits are divided by it, after softcap, exactly as at sampling time")
+    temperature: float = _field(1.0, "the logits are divided by it, after softcap, exactly as at sampling time "
+                                     "(at least 0.01: grpo_fast.checks.MIN_TEMPERATURE)")
     softcap: float | None = _field(None, "final-logit softcapping z = softcap * tanh(z / softcap), before the "
                                    "temperature, exactly as at sampling time (None: off)")
     use_bias_correction_kl: bool = _field(True, "multiply the KL term by the importance ratio (TRL 1.16's default; "
                                           "false: plain k3)")
     max_completion_length: int | None = _field(None, "dr_grpo's constant normaliser: the loss is divided by the "
                                                "batch size x this (None: the completions' padded length T)")
-    sapo_temperature_pos: float = _field(1.0, "SAPO gate temperature for positive advantages")
-    sapo_temperature_neg: float = _field(1.05, "SAPO gate temperature for negative advantages")
+    sapo_temperature_pos: float = _field(1.0, "SAPO gate temperature for positive advantages (at least 0.01)")
+    sapo_temperature_neg: float = _field(1.05, "SAPO gate temperature for negative advantages (at least 0.01)")
     vespo_k_pos: float = _field(2.0, "VESPO k for positive advantages")
     vespo_lambda_pos: float = _field(3.0, "VESPO lambda for positive advantages")
     vespo_k_neg: float = _field(3.0, "VESPO k for negative advantages")
@@ -106,24 +107,22 @@ class GRPOLossConfig:
             self._check_real("epsilon_high", low=0.0)
         if self.delta is not None:
             self._check_real("delta", low=0.0, strict=True)
-        self._check_real("temperature", low=0.0, strict=True)
+        self._check_real("temperature", check=temperature_value)
         if self.softcap is not None:
-            self._check_real("softcap", low=0.0, strict=True)
+            self._check_real("softcap", check=check_softcap)
         if self.max_completion_length is not None:
             n = self.max_completion_length
             if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
                 raise ValueError(f"GRPOLossConfig.max_completion_length must be a positive int or None, got {n!r}")
             object.__setattr__(self, "max_completion_length", int(n))  # numpy ints -> int (the JSON form)
         for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
-            self._check_real(name, low=0.0, strict=True)
+            self._check_real(name, check=lambda label, value: temperature_value(label, value, SAPO_TEMPERATURE))
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             self._check_real(name)
         self._check_real("top_entropy_quantile", low=0.0, high=1.0)
         self._check_real("entropy_coef")
-        if not isinstance(self.use_bias_correction_kl, bool):
-            raise TypeError(
-                f"GRPOLossConfig.use_bias_correction_kl must be a bool, got {type(self.use_bias_correction_kl).__name__}"
-            )
+        object.__setattr__(self, "use_bias_correction_kl",
+                           check_bool("GRPOLossConfig.use_bias_correction_kl", self.use_bias_correction_kl))
         fields = dataclasses.asdict(self)
         fields["loss_type"] = self.loss_type.value
         # the custom ops take the config as a string; made once here so torch.compile never traces json
@@ -133,11 +132,14 @@ class GRPOLossConfig:
         """All fields as a JSON string (``GRPOLossConfig(**json.loads(s))`` rebuilds it)."""
         return self._json
 
-    def _check_real(self, name, low=None, high=None, strict=False):
-        """A finite real number (Python or numpy scalar) in range; a numpy scalar is stored as a Python float so the
-        config serialises to JSON and compares equal to one built from plain floats."""
+    def _check_real(self, name, low=None, high=None, strict=False, check=None):
+        """A finite real number (Python or numpy scalar) in range and in float32's (the ops take it as a float32
+        scalar), or what ``check(label, value)`` accepts; a numpy scalar is stored as a Python float so the config
+        serialises to JSON and compares equal to one built from plain floats."""
         value = getattr(self, name)
-        number = real_value(f"GRPOLossConfig.{name}", value, low=low, high=high, strict=strict)
+        label = f"GRPOLossConfig.{name}"
+        number = (check(label, value) if check is not None
+                  else float32_value(label, value, low=low, high=high, strict=strict))
         if type(value) not in (int, float):  # np.float64 subclasses float but prints as np.float64(...)
             object.__setattr__(self, name, number)
 

@@ -12,8 +12,8 @@ from grpo_fast.reference import logprobs_reference
 
 
 def validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, softcap):
-    """Checks shared by ``fused_logprobs`` and ``grpo_loss``; returns ``temperature`` and ``softcap`` as Python
-    floats (numpy scalars are accepted)."""
+    """Checks shared by ``fused_logprobs`` and ``grpo_loss``; returns ``temperature`` (in
+    ``checks.TEMPERATURE_RANGE``) and ``softcap`` as Python floats (numpy scalars are accepted)."""
     checks.check_tensor(fn, "hidden", hidden, dtypes="float")
     if hidden.dim() < 2:
         raise ValueError(f"{fn}: hidden must be [..., H] with at least 2 dimensions, got {checks.describe(hidden)}")
@@ -36,8 +36,8 @@ def validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, s
     checks.check_tensor(fn, "bias", bias, shape=(vocab,), dtypes="float", device=hidden.device, optional=True)
     if bias is not None and bias.dtype != hidden.dtype:
         raise TypeError(f"{fn}: bias must have the dtype of hidden ({hidden.dtype}), got {checks.describe(bias)}")
-    temperature = checks.check_positive_scalar(fn, "temperature", temperature)
-    softcap = checks.check_positive_scalar(fn, "softcap", softcap, optional=True)
+    temperature = checks.temperature_value(f"{fn}: temperature", temperature)
+    softcap = checks.check_softcap(f"{fn}: softcap", softcap)
     checks.check_token_ids(fn, "target_ids", target_ids, vocab)
     checks.check_finite(fn, "hidden", hidden)
     checks.check_finite(fn, "weight", weight)
@@ -96,9 +96,17 @@ def fused_logprobs(
     hidden: ``[..., H]`` (float32, bfloat16, float16 or float64); weight: ``[V, H]`` of the same dtype (an lm_head
     or a tied embedding); target_ids: ``[...]``; bias: ``[V]``. Returns ``logps`` ``[...]`` in float32 (float64 for
     float64 inputs) and, with ``return_entropy``, also ``entropy`` ``[...]``, the entropy of ``softmax(z)``, which
-    has its own gradient. Both are differentiable w.r.t. hidden, weight and bias.
+    has its own gradient. Both are differentiable w.r.t. hidden, weight and bias. ``temperature`` must be in
+    ``[0.01, 3.4e38]`` (``grpo_fast.checks.MIN_TEMPERATURE`` says why); ``return_entropy`` a bool (numpy's too).
+
+    float16: the matmul runs in float16, as the lm_head it replaces would, so a logit beyond float16's +-65504
+    overflows to inf and its row's log-prob and entropy come out NaN, without an error: finding it would take a look
+    at the output, a device sync after the op on every call. Check ``torch.isfinite`` on the result where that can
+    happen, or run such a model in bfloat16 (float32's range). The trainer looks: a non-finite loss (at the check it
+    makes anyway) or old/reference log-prob (one check per pass) skips the update with a warning naming float16.
     """
     fn = "fused_logprobs"
+    return_entropy = checks.check_bool(f"{fn}: return_entropy", return_entropy)
     temperature, softcap = validate_logprob_inputs(fn, hidden, weight, target_ids, bias, temperature, softcap)
     impl = resolve_impl(impl, hidden.device, fn, hidden.dtype)
     logps, entropy = logprobs_and_entropy(

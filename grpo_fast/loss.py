@@ -119,6 +119,9 @@ def grpo_loss(
     and > 0: a Python or numpy number (checked for free) or a one-element tensor (checked on the host: one device sync
     for a CUDA tensor; see ``grpo_fast.checks.check_count``). Returns ``LossOutput``.
 
+    float16 hidden and weight: the lm_head matmul runs in float16, so logits beyond +-65504 give a NaN loss, without
+    an error (see ``fused_logprobs``: finding it would cost a device sync after the op).
+
     Gradients: the loss is differentiable w.r.t. hidden, weight and bias. ``advantages``, ``old_logps``,
     ``ref_logps`` and ``sampling_ratio`` are constants of the objective, as in TRL (which computes them without
     gradient): passing one that requires grad while grad mode is on is a ``ValueError`` rather than a silent zero

@@ -735,3 +735,23 @@ def test_a_full_disk_while_saving_a_sharded_checkpoint(tmp_path, monkeypatch, tw
     assert str(info.value) == (f"cannot write {path}: the disk is full (12.0 KiB free in {tmp_path}); its partial "
                                "directory was removed and nothing else was changed")
     assert not list(tmp_path.iterdir())
+
+
+def test_grpo_fast_train_on_a_full_disk_is_one_line(tmp_path, monkeypatch, twelve_kib_free, capsys):
+    """The command line: no traceback, the message of the DiskFull, exit status 1."""
+    real_save = torch.save
+
+    def save(state, f, *args, **kwargs):
+        if isinstance(state, dict) and state.get("step") == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return real_save(state, f, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt.torch, "save", save)
+    out = tmp_path / "run"
+    code = main(["train", "--steps", "3", "--prompts-per-step", "4", "--group-size", "4", "--micro-batch-size", "8",
+                 "--eval-size", "16", "--max-new-tokens", "3", "--output-dir", str(out), "--progress", "false",
+                 "--plot", "false", "--save-every", "1", "--warmup-steps", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1, err
+    assert err[-1].startswith("grpo-fast train: error: cannot write ") and "the disk is full" in err[-1], err
+    assert not any("Traceback" in line for line in err)

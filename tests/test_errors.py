@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -29,21 +30,32 @@ def batch():
         ("importance_sampling_level", "tok", "importance_sampling_level must be one of 'token', 'sequence'"),
         ("beta", -0.1, "beta must be >= 0.0, got -0.1"),
         ("epsilon", float("nan"), "epsilon must be a finite number"),
-        ("temperature", 0.0, "temperature must be > 0.0"),
-        ("softcap", -1.0, "softcap must be > 0.0"),
+        ("temperature", 0.0, "temperature must be in [0.01, 3.4e+38], got 0.0: the logits are divided by it"),
+        ("temperature", 1e-38, "temperature must be in [0.01, 3.4e+38], got 1e-38"),
+        ("temperature", 1e300, "temperature must be in [0.01, 3.4e+38], got 1e+300: the ops take it as a float32"),
+        ("softcap", -1.0, "softcap must be in [1.18e-38, 3.4e+38] (a normal float32: the logits are divided by it), "
+                          "got -1.0"),
         ("delta", 0.0, "delta must be > 0.0"),
         ("max_completion_length", 0, "max_completion_length must be a positive int"),
         ("top_entropy_quantile", 1.5, "top_entropy_quantile must be <= 1.0"),
-        ("use_bias_correction_kl", 1, "use_bias_correction_kl must be a bool"),
-        ("sapo_temperature_neg", 0, "sapo_temperature_neg must be > 0.0"),
+        ("use_bias_correction_kl", 1, "use_bias_correction_kl must be True or False, got int 1"),
+        ("use_bias_correction_kl", "no", "use_bias_correction_kl must be True or False, got str 'no'"),
+        ("sapo_temperature_neg", 0, "sapo_temperature_neg must be in [0.01, 3.4e+38], got 0: the loss holds 4 / tau"),
+        ("sapo_temperature_pos", 1e-300, "sapo_temperature_pos must be in [0.01, 3.4e+38], got 1e-300"),
+        ("sapo_temperature_pos", 1e300, "sapo_temperature_pos must be in [0.01, 3.4e+38], got 1e+300"),
+        ("softcap", 1e-300, "softcap must be in [1.18e-38, 3.4e+38] (a normal float32"),
+        ("epsilon", 1e300, "epsilon must be within float32's range (|x| <= 3.4e+38: the ops take it as a float32 "
+                           "scalar), got 1e+300"),
+        ("vespo_k_neg", -1e39, "vespo_k_neg must be within float32's range"),
         ("beta", "0.1", "GRPOLossConfig.beta must be a finite number, got str '0.1'"),
         ("epsilon", np.float32("nan"), "GRPOLossConfig.epsilon must be a finite number, got np.float32(nan)"),
-        ("temperature", np.float64(-1.0), "GRPOLossConfig.temperature must be > 0.0, got np.float64(-1.0)"),
+        ("temperature", np.float64(-1.0), "GRPOLossConfig.temperature must be in [0.01, 3.4e+38], got "
+                                          "np.float64(-1.0)"),
         ("max_completion_length", np.float64(8), "max_completion_length must be a positive int"),
     ],
 )
 def test_config_validation_names_the_field(field, value, match):
-    with pytest.raises((ValueError, TypeError), match=match.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises((ValueError, TypeError), match=re.escape(match)):
         GRPOLossConfig(**{field: value})
 
 
@@ -304,17 +316,19 @@ def test_fused_logprobs_bad_input():
     h, w = torch.randn(4, 8), torch.randn(13, 8)
     with pytest.raises(TypeError, match="target_ids must be an integer tensor"):
         fused_logprobs(h, w, torch.zeros(4))
-    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0"):
+    with pytest.raises(ValueError, match=r"temperature must be in \[0.01, 3.4e\+38\], got 0: the logits are divided"):
         fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), temperature=0)
-    with pytest.raises(ValueError, match="softcap must be a finite number > 0"):
+    with pytest.raises(ValueError, match=r"fused_logprobs: temperature must be in \[0.01, 3.4e\+38\], got 1e-40"):
+        fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), temperature=1e-40)
+    with pytest.raises(ValueError, match=r"softcap must be in \[1.18e-38, 3.4e\+38\]"):
         fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), softcap=-2.0)
     with pytest.raises(ValueError, match="impl must be one of 'auto', 'triton', 'torch', 'reference', got 'cuda'"):
         fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), impl="cuda")
     with pytest.raises(ValueError, match="hidden must be"):
         fused_logprobs(torch.randn(8), w, torch.zeros((), dtype=torch.long))
-    with pytest.raises(TypeError, match="weight must be a torch.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor, got numpy.ndarray"):
         fused_logprobs(h, w.numpy(), torch.zeros(4, dtype=torch.long))
-    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got np.float32"):
+    with pytest.raises(ValueError, match=r"temperature must be in \[0.01, 3.4e\+38\], got np.float32"):
         fused_logprobs(h, w, torch.zeros(4, dtype=torch.long), temperature=np.float32(-0.5))
 
 

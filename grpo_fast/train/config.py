@@ -4,6 +4,7 @@ the command line (``--field value``, ``--loss.beta 0.04``). The help text of eac
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import numbers
@@ -14,11 +15,16 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpo_fast.checks import FLOAT32_MAX, check_bool, temperature_value
 from grpo_fast.config import GRPOLossConfig
 from grpo_fast.dtypes import DTYPES
 
 # the loss fields the trainer sets itself (from the sampling temperature, the model and max_new_tokens)
 TRAINER_OWNED_LOSS_FIELDS = ("temperature", "softcap", "max_completion_length")
+# the option behind each of them (softcap is the model's)
+TRAINER_OWNED_FROM = {"temperature": "temperature", "max_completion_length": "max_new_tokens"}
+# numpy's (np.random.seed), vLLM's (which seeds numpy) and transformers' set_seed take seeds below 2**32
+MAX_SEED = 2**32 - 1
 
 
 DEFAULT_LOSS = GRPOLossConfig(beta=0.04)
@@ -197,6 +203,9 @@ class TrainConfig:
                              f"vllm_importance_sampling_clip_max ({high})")
 
     def validate(self):
+        for f in dataclasses.fields(self):  # from Python, "no" or 1 would read as true
+            if _annotation(TrainConfig, f.name) is bool:
+                check_bool(f"TrainConfig.{f.name}", getattr(self, f.name))
         choices = {
             "dtype": ("auto", *DTYPES),
             "impl": ("auto", "torch", "triton", "reference"),
@@ -235,15 +244,17 @@ class TrainConfig:
         if self.group_size < 2:
             raise ValueError(f"TrainConfig.group_size must be >= 2 (advantages compare a group's completions), "
                              f"got {self.group_size}")
-        for name, low, high in (("temperature", 0.0, math.inf), ("top_p", 0.0, 1.0), ("weight_decay", 0.0, math.inf),
+        for name, low, high in (("top_p", 0.0, 1.0), ("weight_decay", 0.0, FLOAT32_MAX),
                                 ("max_grad_norm", 0.0, math.inf)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not (low <= value <= high):
-                raise ValueError(f"TrainConfig.{name} must be in [{low}, {high}], got {value!r}")
+                raise ValueError(f"TrainConfig.{name} must be in [{low}, {high:.3g}], got {value!r}")
         if self.top_p == 0.0:
             raise ValueError("TrainConfig.top_p must be > 0 (1.0 switches nucleus sampling off), got 0.0")
         if self.temperature == 0.0:
             raise ValueError("TrainConfig.temperature must be > 0 for training (GRPO needs diverse samples), got 0.0")
+        temperature_value("TrainConfig.temperature", self.temperature)  # sampling's and the loss's
+        check_seed("TrainConfig.seed", self.seed)
         if self.threads is not None and (isinstance(self.threads, bool) or not isinstance(self.threads, int)
                                          or self.threads < 1):
             raise ValueError(f"TrainConfig.threads must be an int >= 1 or None, got {self.threads!r}")
@@ -285,11 +296,40 @@ class TrainConfig:
         return out
 
 
+def config_changes(saved: dict, now: dict, keep=(), prefix: str = "") -> list[str]:
+    """``"name: old -> new"`` for every option whose value differs between two :meth:`TrainConfig.to_dict` dicts,
+    nested ones (the loss's) field by field (``loss.beta: 0.04 -> 0.1``, not both whole dicts); options named in
+    ``keep`` are left out, and one missing from ``saved`` (an older run's) counts as None there."""
+    changes = []
+    for name in sorted(now):
+        old, new = saved.get(name), now[name]
+        if prefix + name in keep or old == new:
+            continue
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += config_changes(old, new, keep, f"{prefix}{name}.")
+        else:
+            changes.append(f"{prefix}{name}: {old!r} -> {new!r}")
+    return changes
+
+
+def check_seed(label: str, seed) -> int:
+    """A seed in ``[0, MAX_SEED]``, which every generator a run seeds takes (``label`` names it)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"{label} must be an int in [0, {MAX_SEED}] (numpy's, vLLM's and transformers' generators "
+                         f"take 32-bit seeds), got {seed!r}")
+    return seed
+
+
 # ---------------------------------------------------------------------------------------------- files and flags
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
 def _annotation(cls, name):
-    return typing.get_type_hints(cls)[name]
+    return _hints(cls)[name]
 
 
 def _parse_value(cls, name: str, raw):

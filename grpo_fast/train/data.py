@@ -128,8 +128,25 @@ def load_records(
     return [row for _, row in load_located_records(path, prompt_column=prompt_column, required=required, limit=limit)]
 
 
+def check_record_file(path: str | Path, option: str = "dataset") -> Path:
+    """``path`` as a ``Path`` if it is a file of a supported type; otherwise an error that starts with ``option`` (what
+    named the file: ``--dataset``) and says what is there instead (nothing, a directory, another kind of file)."""
+    path = Path(path)
+    suffixes = JSON_SUFFIXES + PARQUET_SUFFIXES
+    expected = f"expected a {', '.join(suffixes[:-1])} or {suffixes[-1]} file"
+    if path.is_dir():
+        raise IsADirectoryError(f"{option}: {str(path)!r} is a directory; {expected}")
+    if not path.is_file():
+        raise FileNotFoundError(f"{option}: no such file {str(path)!r}" if not path.exists() else
+                                f"{option}: {str(path)!r} is not a regular file; {expected}")
+    if path.suffix.lower() not in suffixes:
+        raise ValueError(f"{option}: {path}: unsupported file type {path.suffix!r} (supported: {', '.join(suffixes)})")
+    return path
+
+
 def load_located_records(
-    path: str | Path, *, prompt_column: str = "prompt", required: tuple[str, ...] = (), limit: int | None = None
+    path: str | Path, *, prompt_column: str = "prompt", required: tuple[str, ...] = (), limit: int | None = None,
+    option: str = "dataset",
 ) -> list[tuple[str, dict]]:
     """(location, record) pairs: the records of a local ``.jsonl`` / ``.json`` (JSON lines, or one top-level list)
     or ``.parquet`` file, each with where it is (``"data.jsonl, line 3"``).
@@ -138,21 +155,16 @@ def load_located_records(
     (``None`` values are allowed there: a reward returns ``None`` for them). ``limit`` keeps the first records only.
     Errors name the file, where the record is (``line N`` of a JSON-lines file, counted from 1; ``item i`` of a JSON
     list and ``row i`` of a parquet file, counted from 0), the missing or bad column and the columns there are, and
-    how many more records have a problem (every row is checked).
+    how many more records have a problem (every row is checked). A path that is no such file
+    (:func:`check_record_file`) is an error that starts with ``option``.
     """
-    path = Path(path)
     if limit is not None and limit < 1:
         raise ValueError(f"limit must be a positive number of records or None, got {limit!r}")
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} not found")
-    suffix = path.suffix.lower()
-    if suffix in JSON_SUFFIXES:
+    path = check_record_file(path, option)
+    if path.suffix.lower() in JSON_SUFFIXES:
         rows = _read_json(path, limit)
-    elif suffix in PARQUET_SUFFIXES:
-        rows = _read_parquet(path, limit, (prompt_column, *required))
     else:
-        supported = ", ".join(JSON_SUFFIXES + PARQUET_SUFFIXES)
-        raise ValueError(f"{path}: unsupported file type {path.suffix!r} (supported: {supported})")
+        rows = _read_parquet(path, limit, (prompt_column, *required))
     records, problems = [], []
     for where, row in rows:  # every row is checked: the error counts the bad rows after the first
         try:
@@ -199,19 +211,21 @@ def _is_empty(prompt: Prompt) -> bool:
 def check_prompts(
     located: Sequence[tuple[str, dict]], tokenizer: Any, *, prompt_column: str, max_prompt_length: int,
     system_prompt: str | None = None, count_tokens: Callable[[str], int] | None = None, batch: int = 1024,
-) -> None:
+) -> tuple[str, int] | None:
     """Every prompt of the dataset at once, before the first step (a bad one would otherwise surface only when it
     is sampled, maybe hours in): none is empty or whitespace only, and none is longer than ``max_prompt_length``
     tokens once rendered (:func:`render_prompt`: chat template, system prompt) and tokenized as the rollout does.
     ``located`` pairs each record with where it is (``"data.jsonl, line 3"``); the error names the first bad
     record, what was expected and how many more there are. ``count_tokens(text)``, when given, replaces the
-    tokenizer's count (``len`` for a character-level tokenizer: 1.5 s less for the built-in task's 4,352 prompts)."""
+    tokenizer's count (``len`` for a character-level tokenizer: 1.5 s less for the built-in task's 4,352 prompts).
+    Returns where the longest prompt is and its length in tokens (None for no records)."""
     empty = [(where, record[prompt_column]) for where, record in located if _is_empty(record[prompt_column])]
     if empty:
         (where, prompt), more = empty[0], len(empty) - 1
         raise ValueError(f"{where}: column {prompt_column!r} is an empty prompt, got {prompt!r}"
                          + _more(more, "prompt is empty", "prompts are empty"))
     too_long: list[tuple[str, int]] = []
+    longest: tuple[str, int] | None = None
     for start in range(0, len(located), batch):
         part = located[start : start + batch]
         texts = []
@@ -225,6 +239,9 @@ def check_prompts(
         else:
             counts = [count_tokens(t) for t in texts]
         too_long += [(where, n) for (where, _), n in zip(part, counts) if n > max_prompt_length]
+        for (where, _), n in zip(part, counts):
+            if longest is None or n > longest[1]:
+                longest = (where, n)
     if too_long:
         (where, n), more = too_long[0], len(too_long) - 1
         raise ValueError(
@@ -232,6 +249,7 @@ def check_prompts(
             f"{max_prompt_length}{_more(more, 'prompt is too long', 'prompts are too long')}; raise "
             "--max-prompt-length or drop the long prompts"
         )
+    return longest
 
 
 # ------------------------------------------------------------------------------------------------------ sampling

@@ -107,22 +107,106 @@ def load_tokenizer(path: str | Path, option: str = "tokenizer"):
     return tokenizer
 
 
-def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_dtype: torch.dtype):
-    """The model (parameters in ``storage_dtype``, on ``device``, in train mode, dropout off) and its tokenizer."""
+def tokenizer_of(config: TrainConfig):
+    """The run's tokenizer, left-padded, its pad token the EOS when it has none: the tiny model's, or the one saved
+    in ``--tokenizer`` or ``--model`` (a ``FileNotFoundError`` naming ``TrainConfig.model`` when that is no
+    directory). Cheap: the trainer reads it, and checks the prompts with it, before the weights load."""
     if config.model == "tiny":
         tokenizer = tiny_tokenizer()
-        model = tiny_model(tokenizer, config.seed)
     else:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        path = Path(config.model)
-        if not path.is_dir():
+        if not Path(config.model).is_dir():
             raise FileNotFoundError(
                 f"TrainConfig.model: expected 'tiny' or a local model directory, got {config.model!r} (not a "
                 "directory; grpo-fast never downloads models: save one with save_pretrained first)"
             )
         tokenizer = load_tokenizer(config.tokenizer or config.model,
                                    "TrainConfig.tokenizer" if config.tokenizer else "TrainConfig.model")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def saved_model_config(config: TrainConfig):
+    """``--model``'s config.json as transformers reads it, without the weights; None for the tiny model (built, not
+    read) and for a directory whose config.json transformers cannot read (the model's load then says why)."""
+    if config.model == "tiny":
+        return None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(config.model)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+# a rope scaling of these types stretches the positions the model was trained on by its factor (as vLLM reads it)
+_STRETCHING_ROPE = ("linear", "dynamic", "yarn")
+
+
+def context_length(model_config) -> tuple[int, str] | None:
+    """The most positions, prompt and completion together, a model's config declares, and where it says so
+    (``max_position_embeddings``, or another architecture's name for it; times the factor of a linear, dynamic or
+    yarn rope scaling, as vLLM counts); None when it declares none."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            break
+    else:
+        return None
+    rope = getattr(text, "rope_scaling", None) or getattr(text, "rope_parameters", None)
+    kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    factor = rope.get("factor") if kind in _STRETCHING_ROPE else None
+    if isinstance(factor, (int, float)) and factor > 1:
+        stretched = int((rope.get("original_max_position_embeddings") or value) * factor)
+        if stretched > value:
+            return stretched, f"{name} {value} with {kind} rope scaling x{factor:g}"
+    return value, name
+
+
+def check_context(config: TrainConfig, model_config, longest: tuple[str, int] | None, engine: str = "hf") -> None:
+    """Refuses, before any generation, a run whose longest prompt (``(where, tokens)``, from ``check_prompts``) and
+    ``max_new_tokens`` together take more positions than the model has: sampling would run past the positions it
+    was trained on (a model with learned position embeddings fails outright, one with rope degrades), and for as
+    many tokens as asked, however many that is. With the ``vllm`` engine (``engine``), a ``vllm_max_model_length``
+    the model does not have, or too short for them, too (vLLM would refuse it at start, or cut completions short)."""
+    if longest is None:
+        return
+    where, prompt = longest
+    found = None if model_config is None else context_length(model_config)
+    model = "the tiny model" if config.model == "tiny" else config.model
+    if found is not None and prompt + config.max_new_tokens > found[0]:
+        context, source = found
+        room = (f"so at most {context - prompt} new tokens" if context > prompt
+                else "no room for a completion: shorten the prompts")
+        raise ValueError(
+            f"TrainConfig.max_new_tokens {config.max_new_tokens} does not fit the model's context: {model} has "
+            f"{context} positions ({source}) and the longest prompt ({where}) is {prompt} tokens once rendered, {room}"
+        )
+    limit = config.vllm_max_model_length
+    if engine != "vllm" or limit is None:
+        return
+    if found is not None and limit > found[0]:
+        raise ValueError(f"TrainConfig.vllm_max_model_length {limit} is more than the {found[0]} positions {model} has "
+                         f"({found[1]}); vLLM refuses a longer max_model_len")
+    if prompt + config.max_new_tokens > limit:
+        raise ValueError(f"TrainConfig.vllm_max_model_length {limit} is less than the longest prompt ({where}, "
+                         f"{prompt} tokens once rendered) plus TrainConfig.max_new_tokens {config.max_new_tokens}: "
+                         f"vLLM would cut those completions short, or refuse the prompt; make it at least "
+                         f"{prompt + config.max_new_tokens}, or leave it unset")
+
+
+def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_dtype: torch.dtype, tokenizer=None):
+    """The model (parameters in ``storage_dtype``, on ``device``, in train mode, dropout off) and its tokenizer
+    (``tokenizer``, when the caller has read it already with :func:`tokenizer_of`)."""
+    tokenizer = tokenizer_of(config) if tokenizer is None else tokenizer
+    if config.model == "tiny":
+        model = tiny_model(tokenizer, config.seed)
+    else:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        path = Path(config.model)
         if _has_weights(path):
             check_weights(path, "TrainConfig.model")  # empty, truncated, or a .bin that needs more than tensors
             model = (load_4bit(config.model, config, device, storage_dtype) if config.load_in_4bit else
@@ -131,9 +215,6 @@ def load_model_and_tokenizer(config: TrainConfig, device: torch.device, storage_
             logger.warning("model %s has no weights: building it from its config.json with random weights (seed %d)",
                            path, config.seed)
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.model))
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
     if config.load_in_4bit:
         if not is_4bit(model):  # built from a config: quantized through the same loader
             from safetensors.torch import save_model

@@ -25,15 +25,16 @@ from grpo_fast.train.shared_prefix import shared_prefix_forward, token_counts, u
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train import distributed as dist_
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.data import PromptSampler, check_prompts, load_located_records
-from grpo_fast.train.engines import engine_of
+from grpo_fast.train.data import PromptSampler, check_prompts, check_record_file, load_located_records
+from grpo_fast.train.engines import engine_of, resolve_rollout
 from grpo_fast.train.forward import completion_hidden, head_of, unwrap
-from grpo_fast.train.model import (attach_lora, autocast, check_head, frozen_copy, load_model_and_tokenizer,
-                                   lr_scheduler, make_optimizer, resolve_device, resolve_dtype)
+from grpo_fast.train.model import (attach_lora, autocast, check_context, check_head, frozen_copy,
+                                   load_model_and_tokenizer, lr_scheduler, make_optimizer, resolve_device,
+                                   resolve_dtype, saved_model_config, tokenizer_of)
 from grpo_fast.train.rewards import load_reward, reward_metrics, reward_name, score, weighted_reward
 from grpo_fast.train.rollout import Rollout, SamplingParams, rollout
 from grpo_fast.train.sampling_correction import run_correction
-from grpo_fast.train.tasks import TASK_SIZE, builtin_records
+from grpo_fast.train.tasks import TASK_SIZE, TASKS, builtin_records
 
 logger = logging.getLogger("grpo_fast.train")
 
@@ -96,7 +97,7 @@ def train_step(run: Run) -> dict:
     ref_logps = reference_logprobs(run, ro) if run.loss_config.beta != 0.0 else None
     ratio, sums = None, {}
     if ((cfg.mu > 1 or correct) and old_logps is None) or (run.loss_config.beta != 0.0 and ref_logps is None):
-        _count_skip(run, "non-finite hidden states in the old or reference pass")
+        _count_skip(run, "non-finite hidden states or log-probs in the old or reference pass")
     else:
         if correct:
             ratio, sampling_metrics = run_correction(run, ro, old_logps)
@@ -182,6 +183,8 @@ def policy_update(run: Run, ro: Rollout, advantages, old_logps, ref_logps, sampl
 
 def _count_skip(run: Run, why: str) -> None:
     run.skipped_updates += 1
+    if run.dtype == torch.float16:  # the likeliest cause there, which no check can name without a sync of its own
+        why += " (float16: a logit or activation beyond +-65504 overflows; --dtype bfloat16 has float32's range)"
     logger.warning("step %d: %s; update skipped (%d so far), weights untouched", run.step + 1, why,
                    run.skipped_updates)
 
@@ -254,7 +257,9 @@ def _micro_batch_logprobs(model, run: Run, ro: Rollout, rows, pcols, tcols) -> t
 @torch.no_grad()
 def logprobs_of(run: Run, policy, ro: Rollout) -> torch.Tensor | None:
     """Per-token log-probs ``[N, T]`` of the sampled completions under ``policy`` (old or reference); None when
-    the hidden states are not finite on any rank (every rank then skips the step)."""
+    the hidden states, or the log-probs of trained tokens, are not finite on any rank (every rank then skips the
+    step). Finite hidden states give non-finite log-probs when float16 logits overflow (beyond +-65504): one check
+    of the whole output, one host sync per pass."""
     out = torch.zeros(ro.completion_ids.shape, dtype=torch.float32, device=run.device)
     finite = True
     for rows, pcols, tcols in micro_batches(ro, run.config.micro_batch_size):
@@ -264,6 +269,7 @@ def logprobs_of(run: Run, policy, ro: Rollout) -> torch.Tensor | None:
             finite = False
         else:
             out[rows, tcols] = logps
+    finite = finite and bool((torch.isfinite(out) | (ro.trained_mask == 0)).all())
     return out if dist_.all_true(finite, run.world, run.device) else None
 
 
@@ -335,9 +341,17 @@ def setup(config: TrainConfig) -> Run:
     threads = config.threads or (1 if config.model == "tiny" else None)
     if threads:
         torch.set_num_threads(threads)
+    # the data, the prompts' lengths and the model's context before the weights load (a missing file, a prompt or
+    # --max-new-tokens too long for the model: found in seconds, not after minutes of loading)
+    engine, _ = resolve_rollout(config, device, world.size)
+    train_located, eval_located = located_datasets(config)
+    tokenizer = tokenizer_of(config)
+    longest = check_dataset_prompts(config, train_located + eval_located, tokenizer)
+    check_context(config, saved_model_config(config), longest, engine)
     ckpt.seed_rngs(config.seed)  # Python's, numpy's and torch's: a reward function may draw from any
     # full fine-tuning keeps float32 master weights; with LoRA the frozen base is stored in the compute dtype
-    model, tokenizer = load_model_and_tokenizer(config, device, dtype if config.lora_r else torch.float32)
+    model, tokenizer = load_model_and_tokenizer(config, device, dtype if config.lora_r else torch.float32, tokenizer)
+    check_context(config, unwrap(model).config, longest, engine)  # the tiny model's, and the config the load read
     check_head(model, len(tokenizer), device)
     ref_model = None
     if config.lora_r > 0:
@@ -351,7 +365,7 @@ def setup(config: TrainConfig) -> Run:
     loss_config = dataclasses.replace(
         config.loss, temperature=config.temperature, softcap=head.softcap, max_completion_length=config.max_new_tokens
     )
-    train_records, eval_records = load_datasets(config, tokenizer)
+    train_records, eval_records = [r for _, r in train_located], [r for _, r in eval_located]
     reward_funcs = [load_reward(name) for name in config.rewards]
     weights = config.reward_weights or [1.0] * len(reward_funcs)  # TrainConfig checked the count
     lr = config.lr or (TINY_LR if config.model == "tiny" else MODEL_LR)
@@ -385,8 +399,20 @@ def setup(config: TrainConfig) -> Run:
 def load_datasets(config: TrainConfig, tokenizer=None) -> tuple[list[dict], list[dict]]:
     """The training and held-out records; with a ``tokenizer``, every prompt of both is checked first
     (:func:`check_prompts`: none empty, none longer than ``max_prompt_length``), the error naming the record."""
+    train, evaluation = located_datasets(config)
+    if tokenizer is not None:
+        check_dataset_prompts(config, train + evaluation, tokenizer)
+    return [r for _, r in train], [r for _, r in evaluation]
+
+
+def located_datasets(config: TrainConfig) -> tuple[list[tuple[str, dict]], list[tuple[str, dict]]]:
+    """The training and held-out records, each with where it is (``"data.jsonl, line 3"``); a file that is not
+    there, or not a dataset, is an error naming ``TrainConfig.dataset`` / ``eval_dataset``."""
     if config.dataset.startswith("builtin:"):
         name = config.dataset.split(":", 1)[1]
+        if name not in TASKS:
+            raise ValueError(f"TrainConfig.dataset: unknown builtin task {name!r}; expected builtin:NAME with NAME "
+                             f"one of {', '.join(TASKS)}, or a .jsonl/.json/.parquet file")
         train = [(f"{config.dataset}, record {i}", r) for i, r in enumerate(builtin_records(name, "train", TASK_SIZE))]
         evaluation = [(f"{config.dataset} (held-out), record {i}", r)
                       for i, r in enumerate(builtin_records(name, "eval", config.eval_size))]
@@ -394,19 +420,25 @@ def load_datasets(config: TrainConfig, tokenizer=None) -> tuple[list[dict], list
         if config.prompt_column not in columns:
             raise ValueError(f"TrainConfig.prompt_column: expected a column of {config.dataset}'s records "
                              f"({', '.join(map(repr, columns))}; the prompt is 'prompt'), got {config.prompt_column!r}")
-    else:
-        needs = ("answer",) if any(r in ("math", "exact") for r in config.rewards) else ()
-        needs += ("tests",) if any(r == "code" for r in config.rewards) else ()
-        train = load_located_records(config.dataset, prompt_column=config.prompt_column, required=needs)
-        evaluation = []
-        if config.eval_dataset:
-            evaluation = load_located_records(config.eval_dataset, prompt_column=config.prompt_column,
-                                              required=needs, limit=config.eval_size)
-    if tokenizer is not None:
-        check_prompts(train + evaluation, tokenizer, prompt_column=config.prompt_column,
-                      max_prompt_length=config.max_prompt_length, system_prompt=config.system_prompt,
-                      count_tokens=len if config.model == "tiny" else None)  # its tokenizer: one token a character
-    return [r for _, r in train], [r for _, r in evaluation]
+        return train, evaluation
+    needs = ("answer",) if any(r in ("math", "exact") for r in config.rewards) else ()
+    needs += ("tests",) if any(r == "code" for r in config.rewards) else ()
+    if config.eval_dataset:  # both files' names before either is read
+        check_record_file(config.eval_dataset, "TrainConfig.eval_dataset")
+    train = load_located_records(config.dataset, prompt_column=config.prompt_column, required=needs,
+                                 option="TrainConfig.dataset")
+    evaluation = []
+    if config.eval_dataset:
+        evaluation = load_located_records(config.eval_dataset, prompt_column=config.prompt_column, required=needs,
+                                          limit=config.eval_size, option="TrainConfig.eval_dataset")
+    return train, evaluation
+
+
+def check_dataset_prompts(config: TrainConfig, located: list[tuple[str, dict]], tokenizer) -> tuple[str, int] | None:
+    """:func:`check_prompts` with the run's options; returns where the longest prompt is and its length."""
+    return check_prompts(located, tokenizer, prompt_column=config.prompt_column,
+                         max_prompt_length=config.max_prompt_length, system_prompt=config.system_prompt,
+                         count_tokens=len if config.model == "tiny" else None)  # its tokenizer: one token a character
 
 
 def shared_prefix_allowed(config: TrainConfig, models: list) -> bool:
