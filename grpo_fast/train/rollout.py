@@ -58,6 +58,7 @@ class Rollout:
     sampling_logps: torch.Tensor
     group_size: int
     loss_mask: torch.Tensor | None = None
+    trace: object | None = None  # a multi-turn rollout's grpo_fast.train.agentic.AgentTrace (environments, tool metrics)
 
     @property
     def trained_mask(self) -> torch.Tensor:
@@ -244,15 +245,37 @@ def rollout(run, records: list[dict], group_size: int, params: SamplingParams, f
         raise RuntimeError("Run.policy wraps another model than Run.model; replace both (distributed.wrap)")
     chunk = run.config.generation_prompts or len(records)
     eos = eos_token_ids(run.model, run.tokenizer)
+    agent = getattr(run, "agent", None)
+    if agent is not None:  # tools: each row's environment, and the prompts its reset() extends
+        from grpo_fast.train.agentic import AgentTrace, extend_prompt
+
+        environments, observations = agent.start(records, group_size)
+        column = run.config.prompt_column
+        records = [{**r, column: extend_prompt(r[column], obs)} for r, obs in zip(records, observations)]
+        trace, messages = AgentTrace(environments, rows=len(records) * group_size), []
     parts = []
     for i, start in enumerate(range(0, len(records), chunk)):
         prompt_ids, prompt_mask = encode_prompts(run, records[start : start + chunk])
+        turns = {}
+        if agent is not None:
+            rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())
+                    for _ in range(group_size)]
+            turns["turns"] = agent.turns(environments[start * group_size : (start + chunk) * group_size], rows,
+                                         max_new_tokens=params.max_new_tokens, context=getattr(run, "context", None))
         parts.append(engine.generate(prompt_ids, prompt_mask, group_size, params, eos_token_id=eos,
                                      pad_token_id=run.tokenizer.pad_token_id,
-                                     seed=sampling_seed(run.config.seed, run.step, first_chunk + i)))
+                                     seed=sampling_seed(run.config.seed, run.step, first_chunk + i), **turns))
+        if agent is not None:
+            trace.stats.append(turns["turns"].stats)
+            messages.extend(turns["turns"].messages)
     result = concat_rollouts(parts, run.tokenizer.pad_token_id)
-    completions = run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
-    return result, completions
+    if agent is None:
+        return result, run.tokenizer.batch_decode(result.completion_ids, skip_special_tokens=True)
+    from grpo_fast.train.agentic import transcripts
+
+    result.trace = trace
+    prompts = [r[run.config.prompt_column] for r in records for _ in range(group_size)]
+    return result, transcripts(run.tokenizer, result.completion_ids, result.completion_mask, messages, prompts)
 
 
 def encode_prompts(run, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
