@@ -755,3 +755,52 @@ def test_grpo_fast_train_on_a_full_disk_is_one_line(tmp_path, monkeypatch, twelv
     assert code == 1, err
     assert err[-1].startswith("grpo-fast train: error: cannot write ") and "the disk is full" in err[-1], err
     assert not any("Traceback" in line for line in err)
+
+
+def test_a_resume_refusal_names_only_what_changed(run_dir, tmp_path):
+    out, _ = _copy(run_dir, tmp_path)
+    with pytest.raises(ValueError) as info:
+        train(small_config(tmp_path, steps=STEPS + 1, save_every=1, keep_checkpoints=0, resume=True,
+                           **{"loss.beta": "0.1"}))
+    message = str(info.value)
+    assert "(loss.beta: 0.0 -> 0.1)" in message and "epsilon" not in message, message
+
+
+def test_a_checkpoint_whose_saved_options_are_a_reference_bomb_is_refused_at_once(run_dir, tmp_path):
+    """A valid file whose config holds 2**40 shared references: the refusal shows it short, it never walks it."""
+    out, ckpt_dir = _copy(run_dir, tmp_path)
+    newest = ckpt_dir / "checkpoint-000003.pt"
+    state = ckpt.load(newest)
+    bomb = [0]
+    for _ in range(40):
+        bomb = [bomb, bomb]
+    state["config"]["rewards"] = bomb
+    ckpt.save_atomic(state, newest)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"rewards: \[\["):
+        train(small_config(tmp_path, steps=STEPS + 1, save_every=1, keep_checkpoints=0, resume=True))
+    assert time.monotonic() - start < 30
+
+
+def test_a_compressed_record_is_refused_unread(tmp_path):
+    """torch.save never compresses: a deflated or bzip2 record (a small file that inflates to gigabytes) is damaged."""
+    path = tmp_path / "checkpoint-000001.pt"
+    ckpt.save_atomic({"step": 1, "w": torch.ones(4)}, path)
+    with zipfile.ZipFile(path) as archive:
+        records = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w") as archive:
+        for info, data in records:
+            archive.writestr(info.filename, data, compress_type=zipfile.ZIP_BZIP2 if info.filename.endswith(
+                "data/0") else zipfile.ZIP_STORED)
+    with pytest.raises(ckpt.DamagedCheckpoint, match="is compressed, which torch.save never writes"):
+        ckpt.load(path)
+
+
+def test_export_takes_a_checkpoint_from_a_machine_with_more_cpus(run_dir, tmp_path, capsys):
+    out, ckpt_dir = _copy(run_dir, tmp_path)
+    newest = ckpt_dir / "checkpoint-000003.pt"
+    state = ckpt.load(newest)
+    state["config"]["threads"] = 4096
+    state["config"]["seed"] = 2**40  # seeds up to 64 bits are runs' seeds
+    ckpt.save_atomic(state, newest)
+    assert main(["export", str(newest), str(tmp_path / "exported")]) == 0, capsys.readouterr().err

@@ -351,3 +351,16 @@ def test_a_file_that_is_not_utf8_names_the_line(tmp_path, name):
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}, line 2: not UTF-8 \(byte 0xe9 at column 16\); "
                                          "save the file as UTF-8$"):
         load_records(path, required=("answer",))
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ('{"prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested deeper than Python's recursion limit"),
+    ('{"prompt": "a", "x": ' + "9" * 5000 + "}", "Exceeds the limit (4300 digits)"),
+])
+@pytest.mark.parametrize("layout", ["jsonl", "json"])
+def test_json_past_pythons_limits_is_one_line_naming_the_place(tmp_path, text, why, layout):
+    path = tmp_path / f"data.{layout}"
+    path.write_text(text + "\n" if layout == "jsonl" else f"[{text}]")
+    where = f"{path}, line 1" if layout == "jsonl" else f"{path}"
+    with pytest.raises(ValueError, match=re.escape(f"{where}: JSON this reader refuses ({why}")):
+        load_records(str(path))

@@ -66,9 +66,9 @@ def _error_line(capsys, argv) -> str:
     (["--loss.epsilon", "1e300"], "--loss.epsilon must be within float32's range (|x| <= 3.4e+38"),
     (["--loss.vespo_k_neg=-1e39"], "--loss.vespo_k_neg must be within float32's range"),
     (["--weight-decay", "inf"], "--weight-decay must be in [0.0, 3.4e+38], got inf"),
-    (["--seed", str(2**64 + 1)], f"--seed must be an int in [0, {MAX_SEED}] (numpy's, vLLM's and transformers' "
-                                 f"generators take 32-bit seeds), got {2**64 + 1}"),
-    (["--seed", str(2**32)], f"--seed must be an int in [0, {MAX_SEED}]"),
+    (["--seed", str(2**64 + 1)], f"--seed must be an int in [0, {MAX_SEED}] (torch's generators take 64-bit seeds), "
+                                 f"got {2**64 + 1}"),
+    (["--seed", "-1"], f"--seed must be an int in [0, {MAX_SEED}]"),
     (["--dataset", "nothere.jsonl"], "--dataset: no such file 'nothere.jsonl'"),
     (["--dataset", "builtin:nope"], "--dataset: unknown builtin task 'nope'"),
 ])

@@ -232,3 +232,56 @@ def test_dunder_calls_in_the_sandbox_are_refused_when_the_test_is_read(test):
 def test_a_method_of_a_value_the_parent_has_not_got_fails_with_the_reason():
     why = _judge("assert f(2).startswith('a')", 2)
     assert why is not None and "int.startswith" in why
+
+
+# ------------------------------------------------------------------------------------- review's variants
+
+
+@pytest.mark.parametrize(("test", "value"), [
+    ("assert f(3).isupper()", b"ABC"),
+    ("assert f(3).index(2) == 2", range(5)),
+    ("assert f(3).count(4) == 1", range(5)),
+    ("assert f(3).hex() == '0x1.8000000000000p+0'", 1.5),
+    ("assert f(3).as_integer_ratio() == (3, 2)", 1.5),
+    ("assert f(3).replace(b'a', b'b') == b'bb'", b"aa"),
+])
+def test_methods_of_every_plain_type_are_the_parents(test, value):
+    assert _judge(test, value) is None
+
+
+def test_a_nan_made_in_the_parent_fails_the_comparison():
+    inf = math.inf
+    plan = parse_test("assert not abs(f(2) - 4) / max(1, abs(f(2))) > 1e-9")
+    why = judge(plan, [("value", inf)] * len(plan.holes))
+    assert why is not None and "NaN" in why
+    assert _judge("assert f(2) == 4", 4.0) is None
+
+
+def test_a_repr_is_bounded_by_characters_not_items():
+    start = time.monotonic()
+    why = _judge("assert len(repr((f(3),) * 2000)) == 0", "x" * 500_000)
+    assert time.monotonic() - start < 1.0 and why is not None and "repr of more than" in why
+    assert _judge("assert repr(f(3)) == \"'ab'\"", "ab") is None
+
+
+@pytest.mark.parametrize("tree", [{"range": [0, 10**30, 1]}, {"range": [-(10**30), 0, 1]}, {"complex": [10**400, 0]},
+                                  {"range": [0, 10, 10**20]}])
+def test_from_tree_refuses_forged_huge_numbers_with_a_value_error(tree):
+    with pytest.raises(ValueError):
+        plain_data.from_tree(tree)
+
+
+@linux_only
+def test_a_completion_forging_a_huge_range_on_the_channel_scores_nothing_and_raises_nothing():
+    code = (
+        "import os, json\n"
+        "for fd in range(3, 30):\n"
+        "    try:\n"
+        "        os.write(fd, (json.dumps({'code': 'ok'}) + '\\n' + json.dumps({'i': 0, 'r': [['v', "
+        "{'range': [0, 10**30, 1]}]]}) + '\\n').encode())\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "def f(x): return 0\n"
+    )
+    result = _judged(code, ["assert max(f(3)) == 2"])
+    assert result.passed == 0, result

@@ -506,7 +506,7 @@ class _Reports:
         elif message.keys() == {"i", "r"} and type(message["r"]) is list and len(message["r"]) == len(plan.holes):
             try:
                 values = [_outcome(outcome) for outcome in message["r"]]
-            except (ValueError, RecursionError) as e:
+            except (ValueError, ArithmeticError, RecursionError) as e:  # ArithmeticError: forged huge range ends
                 self.broken = f"test {index}'s values do not parse: {e}"
                 return
             started = time.monotonic()

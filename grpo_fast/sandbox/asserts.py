@@ -92,15 +92,19 @@ _METHODS: dict[type, frozenset[str]] = {
         "isupper", "join", "lower", "lstrip", "partition", "removeprefix", "removesuffix", "replace", "rfind",
         "rindex", "rpartition", "rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase",
         "title", "upper"}),
-    bytes: frozenset({"count", "decode", "endswith", "find", "hex", "index", "lower", "split", "startswith", "strip",
+    bytes: frozenset({"capitalize", "count", "decode", "endswith", "find", "hex", "index", "isalnum", "isalpha",
+                      "isascii", "isdigit", "islower", "isspace", "istitle", "isupper", "join", "lower", "lstrip",
+                      "partition", "removeprefix", "removesuffix", "replace", "rfind", "rindex", "rpartition",
+                      "rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase", "title",
                       "upper"}),
+    range: frozenset({"count", "index"}),
     list: frozenset({"count", "index", "copy"}),
     tuple: frozenset({"count", "index"}),
     dict: frozenset({"get", "keys", "values", "items", "copy"}),
     set: frozenset({"copy", "difference", "intersection", "isdisjoint", "issubset", "issuperset",
                     "symmetric_difference", "union"}),
-    int: frozenset({"bit_length", "conjugate"}),
-    float: frozenset({"is_integer", "conjugate"}),
+    int: frozenset({"bit_length", "bit_count", "conjugate", "as_integer_ratio"}),
+    float: frozenset({"is_integer", "conjugate", "hex", "as_integer_ratio"}),
     complex: frozenset({"conjugate"}),
 }
 _METHODS[frozenset] = _METHODS[set]
@@ -590,6 +594,8 @@ class _Evaluator:
                 a = ev(left, env)
                 for op, comparator in zip(ops, comparators):
                     b = ev(comparator, env)
+                    if _is_nan(a) or _is_nan(b):  # made here from the values (inf - inf): compares False with all
+                        raise _Failed("a comparison with a NaN (computed from the values: inf - inf, 0 * inf)")
                     if not _COMPARE[type(op)](a, b):
                         return False
                     a = b
@@ -650,6 +656,8 @@ class _Evaluator:
             raise _Failed("the parent calls type(x) with one argument only")
         if fn is round and len(args) > 1 and type(args[1]) is int and abs(args[1]) > 10_000:
             raise _Failed("round to more than 10000 digits")
+        if fn in (repr, str) and args:
+            _check_text_output(args[0])
         if fn is bytes and args and type(args[0]) in (int, bool) and args[0] > _MAX_ITEMS:
             raise _Failed(f"bytes({args[0]}) would make more than {_MAX_ITEMS} bytes")
         receiver = getattr(fn, "__self__", None)
@@ -684,6 +692,28 @@ class _Evaluator:
                 inner.update(zip(names, items))
             if all(self._truth(self.evaluate(condition, inner)) for condition in gen.ifs):
                 yield from self._loops(generators, i + 1, inner)
+
+
+def _is_nan(value: Any) -> bool:
+    return (type(value) is float or type(value) is complex) and value != value
+
+
+def _check_text_output(value: Any) -> None:
+    """Refuse a ``repr`` or ``str`` that would pass :data:`_MAX_CHARS` characters (``repr((f(3),) * 2000)`` of a long
+    string: a repetition counts items, its repr their characters). Counted as repr writes them, shared items each
+    time they appear, and the count stops as soon as it passes the bound."""
+    size, pending = 0, [value]
+    while pending:
+        item = pending.pop()
+        kind = type(item)
+        size += len(item) + 4 if kind in (str, bytes) else 8
+        if kind is dict:
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif kind in (list, tuple, set, frozenset):
+            pending.extend(item)
+        if size > _MAX_CHARS:
+            raise _Failed(f"a repr of more than {_MAX_CHARS} characters")
 
 
 def _check_text_size(receiver: str | bytes, method: str, args: list) -> None:

@@ -163,12 +163,14 @@ def from_tree(tree, depth: int = 0):
     if type(body) is not list:
         raise ValueError(f"{tag} takes a list, got {body!r:.100}")
     if tag == "complex":
-        if len(body) != 2 or any(type(part) not in (int, float) for part in body):
+        if len(body) != 2 or any(type(part) is not float and (type(part) is not int or abs(part) >= _SMALL_INT)
+                                 for part in body):
             raise ValueError(f"complex takes [real, imag], got {body!r:.100}")
         return complex(*body)
     if tag == "range":
-        if len(body) != 3 or any(type(part) is not int for part in body) or body[2] == 0:
-            raise ValueError(f"range takes [start, stop, step], got {body!r:.100}")
+        if (len(body) != 3 or any(type(part) is not int or not -_SMALL_INT < part < _SMALL_INT for part in body)
+                or body[2] == 0):
+            raise ValueError(f"range takes [start, stop, step] below 2**63, got {body!r:.100}")
         made = range(*body)
         if len(made) > MAX_RANGE_ITEMS:
             raise ValueError(f"a range of {len(made)} items, more than {MAX_RANGE_ITEMS}")

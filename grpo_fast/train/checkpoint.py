@@ -329,6 +329,9 @@ def _verify_checksums(f: IO[bytes], name: str) -> None:
         records = archive.infolist()
         names = set()
         for record in records:  # two records of one name: which one a reader takes is its own choice
+            if record.compress_type != zipfile.ZIP_STORED:  # a small file could inflate to any size when read
+                raise DamagedCheckpoint(f"{name} cannot be read (its record {record.filename[:80]} is compressed, "
+                                        "which torch.save never writes)")
             if record.filename in names:
                 raise DamagedCheckpoint(f"{name} cannot be read (a damaged archive: two records named "
                                         f"{record.filename})")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import reprlib
 import json
 import math
 import numbers
@@ -23,8 +24,8 @@ from grpo_fast.dtypes import DTYPES
 TRAINER_OWNED_LOSS_FIELDS = ("temperature", "softcap", "max_completion_length")
 # the option behind each of them (softcap is the model's)
 TRAINER_OWNED_FROM = {"temperature": "temperature", "max_completion_length": "max_new_tokens"}
-# numpy's (np.random.seed), vLLM's (which seeds numpy) and transformers' set_seed take seeds below 2**32
-MAX_SEED = 2**32 - 1
+# torch's generators take 64-bit seeds; numpy's and vLLM's (which seeds numpy) take the seed modulo 2**32
+MAX_SEED = 2**64 - 1
 
 
 DEFAULT_LOSS = GRPOLossConfig(beta=0.04)
@@ -308,15 +309,28 @@ def config_changes(saved: dict, now: dict, keep=(), prefix: str = "") -> list[st
         if isinstance(old, dict) and isinstance(new, dict):
             changes += config_changes(old, new, keep, f"{prefix}{name}.")
         else:
-            changes.append(f"{prefix}{name}: {old!r} -> {new!r}")
+            changes.append(f"{prefix}{name}: {_short(old)} -> {_short(new)}")
     return changes
+
+
+_REPR = reprlib.Repr()  # a saved value can be anything a checkpoint holds: shown short, never walked whole
+_REPR.maxstring = _REPR.maxother = 80
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = 8
+_REPR.maxlevel = 3
+
+
+def _short(value) -> str:
+    try:
+        return _REPR.repr(value)
+    except Exception:  # a repr that raises (an int past 4300 digits)
+        return f"<a {type(value).__name__}>"
 
 
 def check_seed(label: str, seed) -> int:
     """A seed in ``[0, MAX_SEED]``, which every generator a run seeds takes (``label`` names it)."""
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"{label} must be an int in [0, {MAX_SEED}] (numpy's, vLLM's and transformers' generators "
-                         f"take 32-bit seeds), got {seed!r}")
+        raise ValueError(f"{label} must be an int in [0, {MAX_SEED}] (torch's generators take 64-bit seeds), "
+                         f"got {seed!r}")
     return seed
 
 

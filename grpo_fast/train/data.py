@@ -86,6 +86,8 @@ def _read_json(path: Path, limit: int | None) -> Iterator[tuple[str, Any]]:
             items = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from e
+        except (ValueError, RecursionError) as e:  # an int past 4300 digits, nesting past Python's recursion limit
+            raise ValueError(f"{path}: JSON this reader refuses ({_json_limit(e)})") from None
         yield from ((f"{path}, item {i}", item) for i, item in enumerate(items[:limit]))
         return
     count = 0
@@ -101,6 +103,8 @@ def _read_json(path: Path, limit: int | None) -> Iterator[tuple[str, Any]]:
                 f"{path}, line {lineno}: invalid JSON ({e.msg}); expected one JSON object per line "
                 "or a single top-level JSON list"
             ) from e
+        except (ValueError, RecursionError) as e:  # an int past 4300 digits, nesting past Python's recursion limit
+            raise ValueError(f"{path}, line {lineno}: JSON this reader refuses ({_json_limit(e)})") from None
         count += 1
         yield f"{path}, line {lineno}", value
 
@@ -339,3 +343,9 @@ class PromptSampler:
 def batches(records: Sequence[dict], batch_size: int, *, seed: int, epoch_shuffle: bool = True) -> PromptSampler:
     """An endless, deterministic, resumable iterator over batches of ``records`` (a :class:`PromptSampler`)."""
     return PromptSampler(records, batch_size, seed=seed, epoch_shuffle=epoch_shuffle)
+
+
+def _json_limit(error: BaseException) -> str:
+    if isinstance(error, RecursionError):
+        return "nested deeper than Python's recursion limit"
+    return f"{str(error).split(';')[0]}"

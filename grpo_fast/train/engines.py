@@ -78,7 +78,7 @@ def make_engine(run):
     if kv is None and run.device.type == "cpu":
         rows = (cfg.generation_prompts or cfg.prompts_per_step) * cfg.group_size
         kv = kv_bytes_per_token(config, run.dtype) * rows * (max_len + 32)  # + one block of slack per row
-    engine = VLLMEngine(run.model, dtype=run.dtype, seed=cfg.seed, max_model_len=max_len, kv_cache_memory_bytes=kv,
+    engine = VLLMEngine(run.model, dtype=run.dtype, seed=cfg.seed % 2**32, max_model_len=max_len, kv_cache_memory_bytes=kv,
                         gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
                         tensor_parallel_size=cfg.vllm_tensor_parallel_size,
                         enable_sleep_mode=cfg.vllm_enable_sleep_mode)

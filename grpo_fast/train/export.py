@@ -155,10 +155,14 @@ def _trainer_state(path: Path) -> tuple[dict, bool]:
 
 
 def checkpoint_config(saved: dict) -> TrainConfig:
-    """The run's ``TrainConfig`` from a checkpoint's saved dict, on the CPU (fields this version lacks are dropped)."""
+    """The run's ``TrainConfig`` from a checkpoint's saved dict, on the CPU (fields this version lacks are dropped;
+    the thread count is this machine's, not the one the run had)."""
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in saved.items() if k in known}
-    return TrainConfig(**{**values, "device": "cpu", "dtype": "float32", "resume": False})
+    try:
+        return TrainConfig(**{**values, "device": "cpu", "dtype": "float32", "resume": False, "threads": None})
+    except (TypeError, ValueError) as e:  # options this version refuses (a temperature below its bound, say)
+        raise ValueError(f"CHECKPOINT: its run's options do not make a run of this version: {e}") from None
 
 
 def load_checkpoint_model(checkpoint: str | Path):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train import distributed as dist_
-from grpo_fast.train.config import TrainConfig
+from grpo_fast.train.config import TrainConfig, config_changes
 from grpo_fast.train.evaluation import evaluate
 from grpo_fast.train.export import MODEL_DIR, base_model_path, full_state_dict, save_model
 from grpo_fast.train.metrics import MetricsLog, plot_metrics, read_steps
@@ -369,9 +369,11 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
         raise ValueError(f"--resume: {path} was written {'under' if sharded else 'without'} FSDP2; resume it "
                          f"{'under torchrun with --distributed fsdp2' if sharded else 'without FSDP2'}")
     saved, now = state["config"], run.config.to_dict()
-    changed = sorted(k for k in now if k not in RESUMABLE_CHANGES and saved.get(k) != now[k])
+    if not isinstance(saved, dict):
+        raise ValueError(f"--resume: {path} holds no run options (its config is a {type(saved).__name__})")
+    changed = config_changes(saved, now, RESUMABLE_CHANGES)
     if changed:
-        diff = ", ".join(f"{k}: {saved.get(k)!r} -> {now[k]!r}" for k in changed)
+        diff = ", ".join(changed)
         raise ValueError(f"--resume: {path} was written by a run with other options ({diff}); resume with the same "
                          f"options (only {', '.join(sorted(RESUMABLE_CHANGES))} may change) or start a new run")
     if state["step"] > run.config.steps:
