@@ -68,7 +68,7 @@ def _error_line(capsys, argv) -> str:
     (["--weight-decay", "inf"], "--weight-decay must be in [0.0, 3.4e+38], got inf"),
     (["--seed", str(2**64 + 1)], f"--seed must be an int in [0, {MAX_SEED}] (torch's generators take 64-bit seeds), "
                                  f"got {2**64 + 1}"),
-    (["--seed", "-1"], f"--seed must be an int in [0, {MAX_SEED}]"),
+    (["--seed", str(2**64)], f"--seed must be an int in [0, {MAX_SEED}]"),
     (["--dataset", "nothere.jsonl"], "--dataset: no such file 'nothere.jsonl'"),
     (["--dataset", "builtin:nope"], "--dataset: unknown builtin task 'nope'"),
 ])
