@@ -115,6 +115,7 @@ COUNTERPARTS = {
     "warmup_steps": ("warmup_steps",),
     "lr_schedule": ("lr_scheduler_type",),
     "progress": ("disable_tqdm",),
+    "max_tool_calling_iterations": ("max_tool_calling_iterations",),
     "rollout": ("use_vllm", "vllm_mode"),  # both sample with their transformers loops here: hf / use_vllm=False
     **{name: (name,) for name in (
         "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
@@ -163,6 +164,12 @@ NOT_MAPPED = {
     "loss.max_completion_length": "set by grpo-fast's trainer from TrainConfig.max_new_tokens, which maps",
     "loss.softcap": "the model's final_logit_softcapping, read by both from the same model",
     "vllm_kv_cache_mib": "vllm only (TRL sizes vLLM's memory by vllm_gpu_memory_utilization alone)",
+    "tools": "GRPOTrainer(tools=...): the same functions (build_trl_trainer's trainer_kwargs)",
+    "environment": "GRPOTrainer(environment_factory=...): the same class (build_trl_trainer's trainer_kwargs)",
+    "max_tool_response_length": f"{REFUSED}: TRL 1.16 feeds a tool's whole result",
+    "tool_timeout": "TRL waits for a tool without a limit; the comparison's tools return at once",
+    "tool_workers": "how many tool calls grpo-fast runs at once (speed); TRL runs them one after the other",
+    "sft_warmup_steps": f"{REFUSED}: the warm-up runs before either trainer, both start from its saved model",
 }
 
 # GRPOConfig fields without an option of ours whose TRL default is not what grpo-fast does
@@ -224,6 +231,7 @@ def trl_args(cfg, output_dir: str) -> dict:
         vllm_importance_sampling_mode=cfg.vllm_importance_sampling_mode,
         vllm_importance_sampling_clip_min=cfg.vllm_importance_sampling_clip_min,
         vllm_importance_sampling_clip_max=cfg.vllm_importance_sampling_clip_max,
+        max_tool_calling_iterations=cfg.max_tool_calling_iterations,
         **TRL_PINNED,
         # bench plumbing: every step logged, nothing saved, no workers
         logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0,

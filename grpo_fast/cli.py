@@ -354,6 +354,14 @@ def _eval_parser(sub) -> None:
     add("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
     add("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     add("--seed", metavar="N", default="0", help="sampling seed (default 0)")
+    add("--tools", metavar="T,...", default="", help="tools the model may call, as the run's --tools (built-in "
+        "calc, python, module:function or path.py:function; default: none)")
+    add("--environment", metavar="SPEC", default=None, help="the run's --environment (module:Class or "
+        "path.py:Class; its get_reward() is a reward of weight 1)")
+    add("--max-tool-calling-iterations", metavar="N", default=None, help="rounds of tool calls per completion "
+        "(default: no limit but --max-new-tokens)")
+    add("--max-tool-response-length", metavar="N", default=None, help="tool results cut to this many tokens "
+        "(default: no limit)")
     add("--output", metavar="FILE", default=None, help="JSON result file, replaced (default: eval.json inside the "
         "--model directory)")
     add("--debug", action="store_true", help="with an error (a bad option, a reward function that raised), also "
@@ -391,7 +399,10 @@ def _eval_options(args: argparse.Namespace):
         prompt_column=args.prompt_column, system_prompt=args.system_prompt,
         max_prompt_length=convert("--max-prompt-length", int, args.max_prompt_length),
         pass_threshold=convert("--pass-threshold", float, args.pass_threshold), base_model=args.base_model,
-        device=args.device, dtype=args.dtype, seed=seed,
+        device=args.device, dtype=args.dtype, seed=seed, tools=[t.strip() for t in args.tools.split(",") if t.strip()],
+        environment=args.environment,
+        max_tool_calling_iterations=convert("--max-tool-calling-iterations", int, args.max_tool_calling_iterations),
+        max_tool_response_length=convert("--max-tool-response-length", int, args.max_tool_response_length),
     )
 
 

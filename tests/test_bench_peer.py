@@ -73,7 +73,7 @@ OFF_DEFAULT = {
     "vllm_gpu_memory_utilization": "0.5", "vllm_max_model_length": "48", "vllm_tensor_parallel_size": "2",
     "vllm_enable_sleep_mode": "true", "vllm_importance_sampling_correction": "false",
     "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_min": "0.5",
-    "vllm_importance_sampling_clip_max": "2.0",
+    "vllm_importance_sampling_clip_max": "2.0", "max_tool_calling_iterations": "3",
 }
 
 

@@ -57,12 +57,14 @@ def supervised_warmup(model, demos: Sequence[Demonstration], *, steps: int, batc
         raise ValueError(f"supervised_warmup needs steps >= 1, batch_size >= 1 and demonstrations, got steps={steps}, "
                          f"batch_size={batch_size}, {len(demos)} demonstrations")
     generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     losses = []
     for step in range(steps):
         pick = torch.randint(len(demos), (batch_size,), generator=generator).tolist()
-        prompt_ids, prompt_mask, ids, attention, trained = _batch([demos[i] for i in pick], pad_id)
+        prompt_ids, prompt_mask, ids, attention, trained = (
+            t.to(device) for t in _batch([demos[i] for i in pick], pad_id))
         hidden = completion_hidden(model, prompt_ids, prompt_mask, ids, attention)
         logps = fused_logprobs(hidden, head_of(model).weight, ids, impl="torch")
         loss = -(logps * trained).sum() / trained.sum().clamp(min=1)

@@ -7,6 +7,8 @@ an environment extends, and what the reward functions receive for a multi-turn r
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,10 +17,13 @@ import torch
 from grpo_fast.agents import Agent, AgentOptions, BUILTIN_TOOLS
 from grpo_fast.agents.session import turn_metrics
 from grpo_fast.agents.turns import TurnStats
+from grpo_fast.train.config import object_spec
 from grpo_fast.train.rewards import load_object
-from grpo_fast.train.tasks import TOOL_TASKS
+from grpo_fast.train.tasks import TASK_SIZE, TOOL_TASKS, builtin_records, calc_demonstration
 
-__all__ = ["AgentTrace", "build_agent", "environment_reward", "extend_prompt", "transcripts"]
+logger = logging.getLogger("grpo_fast.train")
+
+__all__ = ["AgentTrace", "build_agent", "environment_reward", "extend_prompt", "transcripts", "warm_up"]
 
 
 @dataclass
@@ -41,19 +46,56 @@ class AgentTrace:
 
 
 def build_agent(config, tokenizer, eos_ids: list[int]) -> Agent | None:
-    """The run's agent, or None for a run without tools. Built-in tool names: ``python``, ``calc``, and ``builtin``
-    (the tool of a built-in tool task: ``--dataset builtin:calc --tools builtin``)."""
+    """The run's agent, or None for a run without tools (``TrainConfig.tools``: built-in names ``calc`` and
+    ``python``, ``module:function`` / ``path.py:function`` specs or functions; ``TrainConfig.environment``: a spec or
+    the class)."""
     if not config.tools and not config.environment:
         return None
-    builtins = dict(BUILTIN_TOOLS)
-    task = config.dataset.split(":", 1)[1] if config.dataset.startswith("builtin:") else None
-    if task in TOOL_TASKS:
-        builtins["builtin"] = TOOL_TASKS[task]
-    tools = [load_object(spec, "tool", builtins) for spec in config.tools]
-    factory = load_object(config.environment, "environment", {}) if config.environment else None
+    task = config.dataset.removeprefix("builtin:") if config.dataset.startswith("builtin:") else None
+    if config.model == "tiny" and task not in TOOL_TASKS:
+        raise ValueError(f"TrainConfig.tools: the tiny model's character tokenizer writes tool calls only in the "
+                         f"built-in tool tasks ({', '.join('builtin:' + t for t in TOOL_TASKS)}), got dataset="
+                         f"{config.dataset!r}; other datasets take tools with a chat model (--model DIR) whose chat "
+                         "template renders them")
+    tools = [tool if callable(tool) else load_object(tool, "tool", BUILTIN_TOOLS) for tool in config.tools]
+    factory = config.environment
+    if isinstance(factory, str):
+        factory = load_object(factory, "environment", {})
     options = AgentOptions(config.max_tool_calling_iterations, config.max_tool_response_length,
-                           config.tool_timeout_s, config.tool_workers)
-    return Agent(tools, factory, tokenizer, eos_ids, options)
+                           config.tool_timeout, config.tool_workers)
+    try:
+        return Agent(tools, factory, tokenizer, eos_ids, options)
+    except ValueError as e:  # the tokenizer cannot carry the tools, two share a name
+        raise ValueError(f"TrainConfig.{'tools' if config.tools else 'environment'}: {e}") from None
+
+
+WARMUP_LR, WARMUP_BATCH = 3e-3, 32  # the supervised warm-up's AdamW learning rate and demonstrations per step
+
+
+def warm_up(config, model, tokenizer, agent: Agent | None) -> list[float]:
+    """``config.sft_warmup_steps`` supervised steps on the demonstrations of the run's built-in tool task (the tool
+    calls written out, the tool's tokens masked as in training; :func:`grpo_fast.agents.warmup.supervised_warmup`),
+    from the run's seed; returns the losses. The run is deterministic, so a resumed run repeats it to rebuild the
+    same reference model."""
+    from grpo_fast.agents import CompactFormat
+    from grpo_fast.agents.warmup import supervised_warmup
+
+    task = config.dataset.removeprefix("builtin:")
+    tool = TOOL_TASKS.get(task) if config.dataset.startswith("builtin:") else None
+    if tool is None or agent is None or list(agent.tools.tools) != [tool.rsplit(":", 1)[1]] \
+            or not isinstance(agent.format, CompactFormat):
+        raise ValueError("TrainConfig.sft_warmup_steps: demonstrations exist for the built-in tool tasks ("
+                         + ", ".join(f"--dataset builtin:{t} --tools {s.rsplit(':', 1)[1]}" for t, s in TOOL_TASKS.items())
+                         + f") on the tiny model's tokenizer; got dataset={config.dataset!r}, tools="
+                         f"{[object_spec(t) for t in config.tools]}, environment={config.environment!r}")
+    records = builtin_records(task, "train", TASK_SIZE)
+    demos = [calc_demonstration(r, tokenizer, agent.format) for r in records]
+    started = time.perf_counter()
+    losses = supervised_warmup(model, demos, steps=config.sft_warmup_steps, batch_size=WARMUP_BATCH, lr=WARMUP_LR,
+                               seed=config.seed, pad_id=tokenizer.pad_token_id)
+    logger.info("supervised warm-up: %d steps of %d demonstrations from %d, loss %.3f -> %.3f (%.1f s)",
+                len(losses), WARMUP_BATCH, len(demos), losses[0], losses[-1], time.perf_counter() - started)
+    return losses
 
 
 def extend_prompt(prompt: str | list[dict], observation: str | None) -> str | list[dict]:

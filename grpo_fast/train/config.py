@@ -116,6 +116,22 @@ class TrainConfig:
     top_p: float = _f(1.0, "nucleus sampling (1.0: off)")
     top_k: int = _f(0, "top-k sampling (0: off)")
     scale_rewards: str = _f("group", "advantage scaling: group (TRL default), batch, none")
+    # tools (multi-turn rollouts; docs/agents.md)
+    tools: list[str] = _f([], "tools the model may call in its completions (TRL's tools=): built-in calc, python, "
+                          "or module:function / path.py:function, a typed function with a docstring (from Python "
+                          "also the functions themselves); a call's result is fed back, never trained")
+    environment: str | None = _f(None, "a class, module:Class or path.py:Class, one instance per completion (TRL's "
+                                 "environment_factory): reset(**record) starts it (a returned string extends the "
+                                 "prompt), its public methods are tools, an optional get_reward() a reward of "
+                                 "weight 1")
+    max_tool_calling_iterations: int | None = _f(None, "rounds of tool calls per completion (TRL's; None: as many "
+                                                 "as max_new_tokens allows)")
+    max_tool_response_length: int | None = _f(None, "a tool result longer than this many tokens is cut to it "
+                                              "(counted in tools/truncated_results; None: no limit)")
+    tool_timeout: float = _f(30.0, "seconds a tool call may run; a call past it is answered with an error message")
+    tool_workers: int = _f(8, "tool calls of different completions run concurrently in this many threads")
+    sft_warmup_steps: int = _f(0, "supervised steps on demonstrations of a built-in tool task (builtin:calc: the "
+                               "calls written out) before GRPO, so the model knows the call format; 0: none")
     # rollout engine
     rollout: str = _f("auto", "the engine that samples completions: hf (grpo-fast's transformers loop on the policy "
                       "itself), vllm (vllm.LLM in this process, TRL's vllm_mode='colocate'; weights pushed after "
@@ -203,6 +219,29 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.vllm_importance_sampling_clip_min ({low}) must be <= "
                              f"vllm_importance_sampling_clip_max ({high})")
 
+    def _validate_tools(self):
+        if not isinstance(self.tools, list) or any(not (callable(t) or (isinstance(t, str) and t.strip()))
+                                                   for t in self.tools):
+            raise ValueError(f"TrainConfig.tools must be a list of tool names, module:function / path.py:function "
+                             f"specs or functions, got {reprlib.repr(self.tools)}")
+        if self.environment is not None and not (callable(self.environment) or (isinstance(self.environment, str)
+                                                                               and self.environment.strip())):
+            raise ValueError(f"TrainConfig.environment must be None, a class or a module:Class / path.py:Class spec, "
+                             f"got {reprlib.repr(self.environment)}")
+        for name in ("max_tool_calling_iterations", "max_tool_response_length"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"TrainConfig.{name} must be an int >= 1 or None, got {value!r}")
+        if isinstance(self.tool_workers, bool) or not isinstance(self.tool_workers, int) or self.tool_workers < 1:
+            raise ValueError(f"TrainConfig.tool_workers must be an int >= 1, got {self.tool_workers!r}")
+        if (isinstance(self.tool_timeout, bool) or not isinstance(self.tool_timeout, (int, float))
+                or not 0 < self.tool_timeout < math.inf):
+            raise ValueError(f"TrainConfig.tool_timeout must be a finite number of seconds > 0, got "
+                             f"{self.tool_timeout!r}")
+        if isinstance(self.sft_warmup_steps, bool) or not isinstance(self.sft_warmup_steps, int) \
+                or self.sft_warmup_steps < 0:
+            raise ValueError(f"TrainConfig.sft_warmup_steps must be an int >= 0, got {self.sft_warmup_steps!r}")
+
     def validate(self):
         for f in dataclasses.fields(self):  # from Python, "no" or 1 would read as true
             if _annotation(TrainConfig, f.name) is bool:
@@ -288,13 +327,24 @@ class TrainConfig:
         if self.reward_weights and len(self.reward_weights) != len(self.rewards):
             raise ValueError(f"TrainConfig.reward_weights must have one weight per reward ({len(self.rewards)}: "
                              f"{self.rewards}), got {len(self.reward_weights)}: {self.reward_weights}")
+        self._validate_tools()
         if len(self.adam_betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.adam_betas):
             raise ValueError(f"TrainConfig.adam_betas must be two numbers in [0, 1), got {self.adam_betas!r}")
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         out["loss"] = json.loads(self.loss.to_json())
+        out["tools"] = [object_spec(t) for t in self.tools]  # functions from Python: the spec that names them
+        out["environment"] = None if self.environment is None else object_spec(self.environment)
         return out
+
+
+def object_spec(value) -> str:
+    """A tool's or an environment's spec as config.json records it: a string as given, a function or class as
+    ``module:qualified_name``."""
+    if isinstance(value, str):
+        return value
+    return f"{getattr(value, '__module__', '?')}:{getattr(value, '__qualname__', type(value).__name__)}"
 
 
 def config_changes(saved: dict, now: dict, keep=(), prefix: str = "") -> list[str]:
@@ -509,6 +559,8 @@ def _unknown(message: str, name: str, known) -> str:
 
 # --help groups the options: each section starts at the named field and runs to the next one (field order)
 SECTIONS = {"model": "model", "dataset": "data", "rewards": "rewards", "steps": "GRPO",
+            "tools": "tools (multi-turn rollouts, TRL's tools= and environment_factory=)",
+            "rollout": "rollout engine",
             "loss": "loss (the semantics of TRL 1.16's GRPOTrainer)", "lr": "optimisation",
             "output_dir": "logging and checkpoints"}
 

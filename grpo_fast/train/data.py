@@ -185,12 +185,14 @@ def load_located_records(
 # ----------------------------------------------------------------------------------------------------- rendering
 
 
-def render_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None = None) -> str:
+def render_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None = None,
+                  tools: list[dict] | None = None) -> str:
     """The text to generate from for ``prompt``.
 
     With a chat template (``tokenizer.chat_template``) the prompt goes through ``apply_chat_template`` with the
     generation prompt added; a string prompt becomes one user message, preceded by a ``system_prompt`` message if
-    given (a message list that already starts with a system message keeps its own). Without a chat template a
+    given (a message list that already starts with a system message keeps its own), and ``tools`` (JSON schemas)
+    rendered as the template shows a run's tools. Without a chat template a
     string prompt is used as is (after ``system_prompt + "\\n"`` if given) and a message list is an error.
     """
     if not getattr(tokenizer, "chat_template", None):
@@ -203,7 +205,8 @@ def render_prompt(tokenizer: Any, prompt: Prompt, *, system_prompt: str | None =
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system_prompt and messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system_prompt})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    extra = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
 
 
 def _is_empty(prompt: Prompt) -> bool:

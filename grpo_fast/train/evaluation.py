@@ -30,7 +30,9 @@ _FLAGS = {"model": "--model", "tokenizer": "--model", "dataset": "--dataset", "e
           "rewards": "--rewards", "reward_weights": "--reward-weights", "eval_size": "--limit",
           "micro_batch_size": "--batch-size", "max_new_tokens": "--max-new-tokens", "prompt_column": "--prompt-column",
           "system_prompt": "--system-prompt", "max_prompt_length": "--max-prompt-length", "device": "--device",
-          "dtype": "--dtype", "seed": "--seed"}
+          "dtype": "--dtype", "seed": "--seed", "tools": "--tools", "environment": "--environment",
+          "max_tool_calling_iterations": "--max-tool-calling-iterations",
+          "max_tool_response_length": "--max-tool-response-length"}
 
 
 @torch.no_grad()
@@ -64,10 +66,11 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
             part = mine[i * chunk : (i + 1) * chunk]
             # a surplus call generates, unscored; sampling seeds differ per call and rank
             # always on the policy itself (hf): held-out scores compare across rollout engines
-            _, completions = rollout(run, part or run.eval_records[:1], samples, params,
-                                     first_chunk=world.rank * calls + i, engine=engine)
+            ro, completions = rollout(run, part or run.eval_records[:1], samples, params,
+                                      first_chunk=world.rank * calls + i, engine=engine)
             if part:
-                per_function = score(run, part, completions, samples)
+                per_function = score(run, part, completions, samples,
+                                     ro.trace.environments if ro.trace is not None else None)
                 rewards = weighted_reward(run, per_function)
                 total += float(rewards.sum())
                 unscored = per_function.isnan().all(dim=1)  # every function returned None
@@ -104,6 +107,10 @@ class EvalOptions:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+    tools: list[str] = field(default_factory=list)  # as the run's --tools: the model calls them as in training
+    environment: str | None = None
+    max_tool_calling_iterations: int | None = None
+    max_tool_response_length: int | None = None
 
     def check(self) -> None:
         for flag, value in (("--samples", self.samples), ("--batch-size", self.batch_size),
@@ -205,7 +212,9 @@ def _evaluate(options: EvalOptions) -> dict:
     from grpo_fast.train.distributed import PolicyForward
     from grpo_fast.train.model import resolve_dtype
     from grpo_fast.train.rewards import load_reward
-    from grpo_fast.train.rollout import SamplingParams
+    from grpo_fast.train.agentic import build_agent, environment_reward
+    from grpo_fast.train.model import context_length
+    from grpo_fast.train.rollout import SamplingParams, eos_token_ids
     from grpo_fast.train.trainer import Run, load_datasets
 
     options.check()
@@ -220,7 +229,9 @@ def _evaluate(options: EvalOptions) -> dict:
         reward_weights=list(options.reward_weights), eval_size=eval_size,
         micro_batch_size=options.batch_size, max_new_tokens=max_new_tokens, prompt_column=options.prompt_column,
         system_prompt=options.system_prompt, max_prompt_length=options.max_prompt_length, device=options.device,
-        dtype=options.dtype, seed=options.seed, loss=GRPOLossConfig(), output_dir="unused",
+        dtype=options.dtype, seed=options.seed, loss=GRPOLossConfig(), output_dir="unused", tools=list(options.tools),
+        environment=options.environment, max_tool_calling_iterations=options.max_tool_calling_iterations,
+        max_tool_response_length=options.max_tool_response_length,
     )
     try:  # the rewards and the prompts before the model: bad input fails fast
         reward_funcs = [load_reward(name) for name in options.rewards]
@@ -232,15 +243,23 @@ def _evaluate(options: EvalOptions) -> dict:
     torch.manual_seed(options.seed)
     model, tokenizer = load_saved_model(model_dir, config, options.base_model)
     device = next(model.parameters()).device
+    agent = build_agent(config, tokenizer, eos_token_ids(model, tokenizer))
+    weights = list(options.reward_weights or [1.0] * len(options.rewards))
+    if agent is not None and agent.has_environment_reward:  # as in training: the environment's reward, weight 1
+        reward_funcs.append(environment_reward(agent.environment_name))
+        weights.append(1.0)
     run = Run(config=config, model=model, ref_model=None, tokenizer=tokenizer, optimizer=None, scheduler=None,
-              sampler=None, reward_funcs=reward_funcs,
-              reward_weights=torch.tensor(options.reward_weights or [1.0] * len(options.rewards)),
+              sampler=None, reward_funcs=reward_funcs, reward_weights=torch.tensor(weights),
               loss_config=None, eval_records=records, device=device, dtype=resolve_dtype(options.dtype, device),
-              policy=PolicyForward(model))
+              policy=PolicyForward(model), agent=agent, context=(context_length(model.config) or (None,))[0])
     temperature = options.sampling_temperature
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=options.top_p)
     scores: list[torch.Tensor] = []
-    mean = evaluate(run, samples=options.samples, params=params, scores=scores)
+    try:
+        mean = evaluate(run, samples=options.samples, params=params, scores=scores)
+    finally:
+        if agent is not None:
+            agent.close()
     per_prompt = torch.stack(scores)  # [prompts, samples], NaN where no reward function scored the completion
     passed = (per_prompt >= options.pass_threshold).any(dim=1)  # an unscored completion passes nothing
     k = options.samples

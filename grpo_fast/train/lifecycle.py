@@ -166,6 +166,8 @@ def fit(prepared: Prepared) -> Summary:
     if run.engine is not None:  # distributed: vLLM's shutdown takes the process group with it, so only now
         run.engine.close()
         run.engine = None
+    if run.agent is not None:
+        run.agent.close()
     return Summary(run.step, prepared.eval_before, eval_after, run.skipped_updates, prepared.out_dir,
                    time.perf_counter() - prepared.started)
 
@@ -334,7 +336,7 @@ def _save_before_failed_step(run: Run, ckpt_dir: Path, sampler_state: dict, rng_
 RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "keep_checkpoints", "resume",
                      "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl",
                      "shared_prefix", "merge_lora", "vllm_gpu_memory_utilization", "vllm_kv_cache_mib",
-                     "vllm_enable_sleep_mode"}
+                     "vllm_enable_sleep_mode", "tool_timeout", "tool_workers", "sft_warmup_steps"}
 
 
 def load_checkpoint(run: Run, directory: Path) -> bool:
@@ -371,7 +373,8 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
     saved, now = state["config"], run.config.to_dict()
     if not isinstance(saved, dict):
         raise ValueError(f"--resume: {path} holds no run options (its config is a {type(saved).__name__})")
-    changed = config_changes(saved, now, RESUMABLE_CHANGES)
+    # an option newer than the checkpoint's run had its default there
+    changed = config_changes({**TrainConfig().to_dict(), **saved}, now, RESUMABLE_CHANGES)
     if changed:
         diff = ", ".join(changed)
         raise ValueError(f"--resume: {path} was written by a run with other options ({diff}); resume with the same "

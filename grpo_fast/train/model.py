@@ -111,8 +111,8 @@ def tokenizer_of(config: TrainConfig):
     """The run's tokenizer, left-padded, its pad token the EOS when it has none: the tiny model's, or the one saved
     in ``--tokenizer`` or ``--model`` (a ``FileNotFoundError`` naming ``TrainConfig.model`` when that is no
     directory). Cheap: the trainer reads it, and checks the prompts with it, before the weights load."""
-    if config.model == "tiny":
-        tokenizer = tiny_tokenizer()
+    if config.model == "tiny":  # a tool task's has its tool's characters and the <call> token
+        tokenizer = tiny_tokenizer(config.dataset.removeprefix("builtin:"))
     else:
         if not Path(config.model).is_dir():
             raise FileNotFoundError(

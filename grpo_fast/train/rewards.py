@@ -448,19 +448,24 @@ def compute_rewards(
 # ------------------------------------------------------------------------------------------------ a run's rewards
 
 
-def score(run, records: list[dict], completions: list[str], group_size: int) -> torch.Tensor:
+def score(run, records: list[dict], completions: list, group_size: int, environments: list | None = None
+          ) -> torch.Tensor:
     """``[N, K]`` rewards (NaN: not scored) for the ``N = len(records) * group_size`` completions, by ``run``'s reward
     functions (``run``: the trainer's ``Run``).
 
     As in TRL, a completion of a conversational prompt (a list of messages) reaches the reward functions as
-    ``[{"role": "assistant", "content": text}]``, a plain-text prompt's as the text.
+    ``[{"role": "assistant", "content": text}]``, a plain-text prompt's as the text; a multi-turn completion comes as
+    its message list already (the assistant's turns and the tool messages), and the rows' environments, when the run
+    has one, as the ``environments`` column (TRL's).
     """
     rows = [r for r in records for _ in range(group_size)]
     prompt_column = run.config.prompt_column
     names = dict.fromkeys(k for r in records for k in r if k != prompt_column)  # rows may differ in columns
     columns = {k: [r.get(k) for r in rows] for k in names}
+    if environments is not None and any(env is not None for env in environments):
+        columns["environments"] = list(environments)
     prompts = [r[prompt_column] for r in rows]
-    completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+    completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) and isinstance(c, str) else c
                    for p, c in zip(prompts, completions)]
     return compute_rewards(run.reward_funcs, prompts, completions, columns)
 

@@ -245,7 +245,7 @@ def rollout(run, records: list[dict], group_size: int, params: SamplingParams, f
         raise RuntimeError("Run.policy wraps another model than Run.model; replace both (distributed.wrap)")
     chunk = run.config.generation_prompts or len(records)
     eos = eos_token_ids(run.model, run.tokenizer)
-    agent = getattr(run, "agent", None)
+    agent = run.agent
     if agent is not None:  # tools: each row's environment, and the prompts its reset() extends
         from grpo_fast.train.agentic import AgentTrace, extend_prompt
 
@@ -261,7 +261,7 @@ def rollout(run, records: list[dict], group_size: int, params: SamplingParams, f
             rows = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.cpu())
                     for _ in range(group_size)]
             turns["turns"] = agent.turns(environments[start * group_size : (start + chunk) * group_size], rows,
-                                         max_new_tokens=params.max_new_tokens, context=getattr(run, "context", None))
+                                         max_new_tokens=params.max_new_tokens, context=run.context)
         parts.append(engine.generate(prompt_ids, prompt_mask, group_size, params, eos_token_id=eos,
                                      pad_token_id=run.tokenizer.pad_token_id,
                                      seed=sampling_seed(run.config.seed, run.step, first_chunk + i), **turns))
@@ -281,8 +281,9 @@ def rollout(run, records: list[dict], group_size: int, params: SamplingParams, f
 def encode_prompts(run, records: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """The records' prompts as the model sees them (chat template, system prompt), tokenized and left-padded on
     ``run``'s device (``run``: the trainer's ``Run``); a prompt longer than ``max_prompt_length`` is refused."""
-    texts = [render_prompt(run.tokenizer, r[run.config.prompt_column], system_prompt=run.config.system_prompt)
-             for r in records]
+    tools = run.agent.schemas if run.agent is not None else None
+    texts = [render_prompt(run.tokenizer, r[run.config.prompt_column], system_prompt=run.config.system_prompt,
+                           tools=tools) for r in records]
     enc = run.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     if enc.input_ids.shape[1] > run.config.max_prompt_length:
         longest = int(enc.attention_mask.sum(1).argmax())
@@ -342,13 +343,13 @@ class HFEngine:
         self.packed_4bit = _LAYOUTS[model]
 
     def generate(self, prompt_ids, prompt_mask, group_size: int, params: SamplingParams, *, eos_token_id,
-                 pad_token_id: int, seed: int) -> Rollout:
+                 pad_token_id: int, seed: int, turns=None) -> Rollout:
         run = self.run
         generator = torch.Generator(device=run.device).manual_seed(seed)
         with (torch.no_grad(), autocast(run.device, run.dtype),  # no_grad outside DDP's forward: no backward follows
               inference_layout(unwrap(run.model), self.packed_4bit)):
             return run.policy(generate, prompt_ids, prompt_mask, group_size, params, eos_token_id=eos_token_id,
-                              pad_token_id=pad_token_id, generator=generator)
+                              pad_token_id=pad_token_id, generator=generator, turns=turns)
 
     def update_weights(self, model) -> None:
         pass

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from grpo_fast.agents import Agent
+
 from grpo_fast import fused_logprobs, group_advantages, grpo_loss
 from grpo_fast.config import GRPOLossConfig
 from grpo_fast.dispatch import resolve_impl
@@ -28,11 +30,12 @@ from grpo_fast.train.config import TrainConfig
 from grpo_fast.train.data import PromptSampler, check_prompts, check_record_file, load_located_records
 from grpo_fast.train.engines import engine_of, resolve_rollout
 from grpo_fast.train.forward import completion_hidden, head_of, unwrap
-from grpo_fast.train.model import (attach_lora, autocast, check_context, check_head, frozen_copy,
+from grpo_fast.train.model import (attach_lora, autocast, check_context, check_head, context_length, frozen_copy,
                                    load_model_and_tokenizer, lr_scheduler, make_optimizer, resolve_device,
                                    resolve_dtype, saved_model_config, tokenizer_of)
+from grpo_fast.train.agentic import build_agent, environment_reward, warm_up
 from grpo_fast.train.rewards import load_reward, reward_metrics, reward_name, score, weighted_reward
-from grpo_fast.train.rollout import Rollout, SamplingParams, rollout
+from grpo_fast.train.rollout import Rollout, SamplingParams, eos_token_ids, rollout
 from grpo_fast.train.sampling_correction import run_correction
 from grpo_fast.train.tasks import TASK_SIZE, TASKS, builtin_records
 
@@ -67,6 +70,8 @@ class Run:
     step: int = 0
     skipped_updates: int = 0
     engine: object | None = None  # the rollout engine (rollout.engine_of), built at the first generation
+    agent: Agent | None = None  # the run's tools and environment (--tools, --environment), None without
+    context: int | None = None  # the model's positions, which a multi-turn row must fit
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -87,7 +92,8 @@ def train_step(run: Run) -> dict:
     run.engine.sleep()  # vllm with sleep mode: its memory is the policy update's until the next generation
     token_metrics = plan_shared_prefix(run, ro)
     # advantages and reward metrics on the global batch (batch scaling needs it), identical on every rank
-    rewards = dist_.gather_rows(score(run, records, completions, cfg.group_size).to(run.device), world)
+    environments = ro.trace.environments if ro.trace is not None else None
+    rewards = dist_.gather_rows(score(run, records, completions, cfg.group_size, environments).to(run.device), world)
     adv = group_advantages(rewards, group_size=cfg.group_size, scale=cfg.scale_rewards,
                            reward_weights=run.reward_weights.to(run.device))
     n_local = ro.completion_ids.shape[0]
@@ -116,6 +122,7 @@ def train_step(run: Run) -> dict:
         **reward_metrics(run.reward_funcs),
         "frac_zero_std": float(adv.zero_std.float().mean()),
         "completion_length": length_sum / rows,
+        **(ro.trace.metrics() if ro.trace is not None else {}),  # this rank's tool calls
         "lr": lr,
         **sums,
         **token_metrics,
@@ -353,6 +360,9 @@ def setup(config: TrainConfig) -> Run:
     model, tokenizer = load_model_and_tokenizer(config, device, dtype if config.lora_r else torch.float32, tokenizer)
     check_context(config, unwrap(model).config, longest, engine)  # the tiny model's, and the config the load read
     check_head(model, len(tokenizer), device)
+    agent = build_agent(config, tokenizer, eos_token_ids(model, tokenizer))
+    if config.sft_warmup_steps:  # before the reference copy: the reference is the warmed-up model
+        warm_up(config, model, tokenizer, agent)
     ref_model = None
     if config.lora_r > 0:
         model = attach_lora(model, config)  # the reference is the base with the adapters disabled
@@ -368,6 +378,9 @@ def setup(config: TrainConfig) -> Run:
     train_records, eval_records = [r for _, r in train_located], [r for _, r in eval_located]
     reward_funcs = [load_reward(name) for name in config.rewards]
     weights = config.reward_weights or [1.0] * len(reward_funcs)  # TrainConfig checked the count
+    if agent is not None and agent.has_environment_reward:  # TRL's: the environment's reward, weight 1
+        reward_funcs.append(environment_reward(agent.environment_name))
+        weights = [*weights, 1.0]
     lr = config.lr or (TINY_LR if config.model == "tiny" else MODEL_LR)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, config, lr, device, model)
@@ -393,7 +406,8 @@ def setup(config: TrainConfig) -> Run:
                scheduler=scheduler, sampler=sampler, reward_funcs=reward_funcs,
                reward_weights=torch.tensor(weights, dtype=torch.float32), loss_config=loss_config,
                eval_records=eval_records, device=device, dtype=dtype, world=world, policy=policy,
-               ref_policy=ref_policy, shared_prefix_ok=shared_ok)
+               ref_policy=ref_policy, shared_prefix_ok=shared_ok, agent=agent,
+               context=(context_length(unwrap(model).config) or (None,))[0])
 
 
 def load_datasets(config: TrainConfig, tokenizer=None) -> tuple[list[dict], list[dict]]:
@@ -421,7 +435,7 @@ def located_datasets(config: TrainConfig) -> tuple[list[tuple[str, dict]], list[
             raise ValueError(f"TrainConfig.prompt_column: expected a column of {config.dataset}'s records "
                              f"({', '.join(map(repr, columns))}; the prompt is 'prompt'), got {config.prompt_column!r}")
         return train, evaluation
-    needs = ("answer",) if any(r in ("math", "exact") for r in config.rewards) else ()
+    needs = ("answer",) if any(r in ("math", "exact", "last_number") for r in config.rewards) else ()
     needs += ("tests",) if any(r == "code" for r in config.rewards) else ()
     if config.eval_dataset:  # both files' names before either is read
         check_record_file(config.eval_dataset, "TrainConfig.eval_dataset")
