@@ -269,8 +269,8 @@ def replay_grpo_fast(run, trl_steps: list[Step], train_tool_tokens: bool = False
         texts = run_.tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
         return ro, texts
 
-    def score(run_, records, completions, group_size):
-        rewards = original["score"](run_, records, completions, group_size)
+    def score(run_, records, completions, group_size, environments=None):
+        rewards = original["score"](run_, records, completions, group_size, environments)
         out[-1].tensors["rewards"] = rewards.clone()
         return rewards
 

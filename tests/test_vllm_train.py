@@ -177,3 +177,20 @@ def test_which_engine_runs(tmp_path):
     vespo = _vllm_config(tmp_path, **{"loss.loss_type": "vespo"})
     with pytest.raises(ValueError, match="vllm_importance_sampling_mode: vespo .* token_truncate or token_mask"):
         prepare(vespo)
+
+
+def test_a_tool_run_on_vllm_follows_every_update(tmp_path):
+    """The calc task with its tool on the vllm engine: multi-turn rows (token in, token out, the tool's tokens fed
+    between turns), the engine in sync after every update on the model's tokens, the tool's masked out of the gap."""
+    config = _vllm_config(tmp_path, dataset="builtin:calc", tools="calc", rewards="last_number", max_new_tokens=24,
+                          sft_warmup_steps=40, prompts_per_step=4, group_size=8, micro_batch_size=16, eval_size=16,
+                          lr="5e-3", steps=3)
+    prepared = prepare(config)
+    run = prepared.run
+    try:
+        steps = [trainer_module.train_step(run) for _ in range(config.steps)]
+    finally:
+        run.engine.close()
+    for m in steps:
+        assert m["tools/call_frequency"] > 0.5, m
+        assert m["sampling/sampling_logp_difference/max"] < IN_SYNC, m

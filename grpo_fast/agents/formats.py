@@ -76,15 +76,18 @@ class ChatTemplateFormat:
         name = self._schemas[0]["function"]["name"]
         marker, argument = "grpo-fast-tool-result-7319", "grpo-fast-argument-4421"
         call = [{"type": "function", "function": {"name": name, "arguments": {"probe": argument}}}]
+        head = [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}]
         try:
-            suffix = self._suffix_for([(name, marker)])
-            rendered = self._tokenizer.decode(self._render(
-                [{"role": "user", "content": "dummy"}, {"role": "assistant", "content": "", "tool_calls": call}],
-                False))
+            self._suffix_for([(name, marker)])  # the renders with and without the tool message must extend
+            # the template's text, not its tokens decoded: a vocabulary without the markers' letters decodes <unk>
+            text = self._tokenizer.apply_chat_template(head + [{"role": "tool", "name": name, "content": marker}],
+                                                       tools=self._schemas, tokenize=False, add_generation_prompt=True)
+            rendered = self._tokenizer.apply_chat_template(head, tools=self._schemas, tokenize=False,
+                                                           add_generation_prompt=False)
         except Exception as e:  # a template that raises on tool messages, or renders them without the assistant turn
             raise ValueError(f"the chat template of {_describe(self._tokenizer)} cannot render tool turns: "
                              f"{type(e).__name__}: {e}") from None
-        if marker not in self._tokenizer.decode(suffix):
+        if marker not in text:
             raise ValueError(f"the chat template of {_describe(self._tokenizer)} cannot render tool turns: a tool "
                              "message's content does not appear in what it renders")
         if argument not in rendered:
@@ -192,13 +195,14 @@ def _describe(tokenizer: Any) -> str:
 
 
 def tool_format(tokenizer: Any, schemas: list[dict], eos_ids: Sequence[int]) -> ToolFormat:
-    """The format for ``tokenizer``: compact where its vocabulary has ``<call>`` and no chat template (the built-in
-    tiny model), else its chat template's; raises ``ValueError`` naming the tokenizer when neither can carry tools."""
+    """The format for ``tokenizer``: compact where its vocabulary has the ``<call>`` token (the built-in tiny model of
+    a tool task), else its chat template's; raises ``ValueError`` naming the tokenizer when neither can carry
+    tools."""
     if not schemas:
         raise ValueError("tool_format needs at least one tool")
+    if CALL_TOKEN in tokenizer.get_vocab():  # (a compact chat template, as TRL needs one, writes the same tokens)
+        return CompactFormat(tokenizer, schemas, eos_ids)
     if not getattr(tokenizer, "chat_template", None):
-        if CALL_TOKEN in tokenizer.get_vocab():
-            return CompactFormat(tokenizer, schemas, eos_ids)
         raise ValueError(f"{_describe(tokenizer)} has no chat template, so it cannot render tool calls and results: "
                          "use a chat model's tokenizer (its template must render tools, assistant tool_calls and "
                          "the tool role), or the built-in tiny model of a tool task")
