@@ -145,7 +145,8 @@ def plot(out: Path) -> Path:
                 points = [(int(r["step"]), float(r[key])) for r in rows
                           if r["arm"] == arm and r["seed"] == seed and r[key] not in ("", None)]
                 series.append(dict(points))
-                ax.plot(*zip(*points), color=color, alpha=0.2, lw=0.8) if points else None
+                if points:
+                    ax.plot(*zip(*points), color=color, alpha=0.2, lw=0.8)
             steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
             if steps:
                 ax.plot(steps, [statistics.fmean(s[x] for s in series) for x in steps], color=color, lw=1.8,

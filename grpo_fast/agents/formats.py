@@ -65,10 +65,10 @@ class ChatTemplateFormat:
         self._suffix_cache: dict[tuple[str, ...], list[int]] = {}
         self._check_template()
 
-    def _render(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        ids = self._tokenizer.apply_chat_template(messages, tools=self._schemas, tokenize=True,
+    def _render(self, messages: list[dict], generation_prompt: bool, tokenize: bool = True) -> list[int] | str:
+        out = self._tokenizer.apply_chat_template(messages, tools=self._schemas, tokenize=tokenize,
                                                   add_generation_prompt=generation_prompt, return_dict=False)
-        return list(ids)
+        return list(out) if tokenize else out
 
     def _check_template(self) -> None:
         """Refuse a template that drops the assistant's calls or the tool messages (it would train the model on
@@ -80,10 +80,8 @@ class ChatTemplateFormat:
         try:
             self._suffix_for([(name, marker)])  # the renders with and without the tool message must extend
             # the template's text, not its tokens decoded: a vocabulary without the markers' letters decodes <unk>
-            text = self._tokenizer.apply_chat_template(head + [{"role": "tool", "name": name, "content": marker}],
-                                                       tools=self._schemas, tokenize=False, add_generation_prompt=True)
-            rendered = self._tokenizer.apply_chat_template(head, tools=self._schemas, tokenize=False,
-                                                           add_generation_prompt=False)
+            text = self._render(head + [{"role": "tool", "name": name, "content": marker}], True, tokenize=False)
+            rendered = self._render(head, False, tokenize=False)
         except Exception as e:  # a template that raises on tool messages, or renders them without the assistant turn
             raise ValueError(f"the chat template of {_describe(self._tokenizer)} cannot render tool turns: "
                              f"{type(e).__name__}: {e}") from None
