@@ -30,8 +30,9 @@ accumulator. Never an ``N x V`` tensor, never an fp32 copy of a bf16/fp16 weight
 Traffic: the forward reads ``W`` once per token block and the backward once per vocab chunk sweep per token block, i.e.
 three ``2 N V H``-FLOP matmuls in all, like the unfused lm_head forward and backward.
 
-Limits. Rows whose upstream gradients (log-prob and entropy) are both exactly zero cost no backward matmul work; a
-fully zero upstream gradient skips the backward. No double backward. Host-side Python loops over cache-sized tiles:
+Limits. Rows whose upstream gradients (log-prob and entropy) are both exactly zero cost no backward matmul work, but
+for the logits of a token block that also holds live rows (recomputed whole, so they match the forward's bit for bit);
+a block with no live row, or a fully zero upstream gradient, is skipped. No double backward. Host-side Python loops over cache-sized tiles:
 meant for CPU, not as the GPU path (``grpo_fast.kernels.linear_logprobs``: the same mathematics, as cuBLAS GEMMs over
 vocabulary chunks and two memory-bound kernels).
 """
@@ -158,15 +159,23 @@ def _select_rows(x: Tensor | None, t0: int, t1: int, idx: Tensor | None) -> Tens
     return x[t0:t1] if idx is None else x.index_select(0, idx)
 
 
-def _tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, params, acc_dtype):
-    """``dz [R, C]`` (``acc_dtype``): d loss / d raw logits of rows ``h_r [R, H]`` against the vocab chunk
-    ``[c0, c1)``.
+def _tile_grad(h_blk, rows, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, params, acc_dtype):
+    """``dz [R, C]`` (``acc_dtype``): d loss / d raw logits of the rows ``rows`` (block-local indices, None for all)
+    of the token block ``h_blk [T, H]`` against the vocab chunk ``[c0, c1)``.
 
     ``dz = g (onehot - p) - ge p (log p + e)`` (e the entropy), divided by the temperature and times
     ``1 - tanh^2`` under softcap.
     m_r, logs_r, ent_r: ``[R, 1]``; g_r, ge_r: ``[R]`` or None.
+
+    The logits are recomputed for the whole block, as the forward made them: a matmul of another shape may sum in
+    another order (BLAS picks its kernel by shape), and ``p`` and ``log p + e`` must come from the very logits the
+    saved ``m``, ``log s`` and entropy came from, or the entropy term's cancellation turns last-bit differences into
+    gradient error (8x PyTorch's own on an AVX-512 CPU, rows picked from a block of 6). Only the rows asked for go on.
     """
-    z, u = _tile(h_r, w_c, bias_c, params, acc_dtype, True)
+    z, u = _tile(h_blk, w_c, bias_c, params, acc_dtype, True)
+    if rows is not None:
+        z = z.index_select(0, rows)
+        u = None if u is None else u.index_select(0, rows)
     logp = z.sub_(m_r).sub_(logs_r)  # (z - m) - log s, exact at large logit offsets
     p = logp.exp()
     if ge_r is not None:
@@ -190,7 +199,7 @@ def _tile_grad(h_r, w_c, bias_c, y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1, par
 def backward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | None, params: LogprobParams,
              grads: BackwardInputs):
     """``(d hidden, d weight, d bias)`` of ``sum(g * logp + ge * entropy)``, those ``grads`` asks for (None for the
-    others). Rows whose g and ge are both zero cost nothing."""
+    others). Rows whose g and ge are both zero cost no dh/dW work (module docstring: Limits)."""
     m_all, logs_all, ent = grads.saved.m, grads.saved.log_s, grads.saved.entropy
     g, ge = grads.g, grads.ge
     need_hidden, need_weight, need_bias = grads.need_hidden, grads.need_weight, grads.need_bias
@@ -234,8 +243,9 @@ def backward(hidden: Tensor, weight: Tensor, target_ids: Tensor, bias: Tensor | 
             dw_c = gw[c0:c1] if in_place else torch.zeros(c1 - c0, h, dtype=acc_dtype, device=hidden.device)
         for t0, t1, idx, y_r, g_r, ge_r, m_r, logs_r, ent_r in block_rows:
             h_r = _select_rows(hidden, t0, t1, idx)
-            dz = _tile_grad(h_r, w_c, None if bias_acc is None else bias_acc[c0:c1], y_r, g_r, ge_r, m_r, logs_r,
-                            ent_r, c0, c1, params, acc_dtype)
+            dz = _tile_grad(hidden[t0:t1], None if idx is None else idx - t0, w_c,
+                            None if bias_acc is None else bias_acc[c0:c1], y_r, g_r, ge_r, m_r, logs_r, ent_r, c0, c1,
+                            params, acc_dtype)
             if need_bias:
                 db[c0:c1] += dz.sum(0)
             # fp32/fp64 inputs: matmuls in that dtype, accumulated in place (addmm_). bf16/fp16 inputs: dz is cast

@@ -28,16 +28,22 @@ PARENT_BYTES = 256 << 20  # the most the parent may allocate (Python objects) to
 
 
 def _judged(code: str, tests: list[str] | str):
-    """run_tests, checked to return within its limit and to allocate little in the parent."""
-    tracemalloc.start()
+    """run_tests, checked to return within its limit and to allocate little in the parent.
+
+    Timed on its own, then run again under tracemalloc for the parent's peak: tracing every allocation slows the
+    parent's loops tenfold or more (``max(range(2**20))``: 0.1 s, 3 s traced), which would time the tracer, not the
+    judge."""
     start = time.monotonic()
+    result = run_tests(code, tests, LIMITS)
+    assert time.monotonic() - start < LIMITS.timeout_s + MARGIN_S, result
+    tracemalloc.start()
     try:
-        result = run_tests(code, tests, LIMITS)
+        traced = run_tests(code, tests, SandboxLimits(timeout_s=60.0))  # the whole judgement, however slow traced
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert time.monotonic() - start < LIMITS.timeout_s + MARGIN_S, result
     assert peak < PARENT_BYTES, f"the parent allocated {peak / 2**20:.0f} MiB judging {tests!r}"
+    assert (traced.passed, traced.status) == (result.passed, result.status), (result, traced)
     return result
 
 
@@ -107,6 +113,20 @@ def test_from_tree_refuses_a_huge_range_a_child_could_write_by_hand():
 def test_to_tree_refuses_a_huge_range():
     with pytest.raises(plain_data.NotPlain, match="range of"):
         plain_data.to_tree(range(plain_data.MAX_RANGE_ITEMS + 1), plain_data.Budget(plain_data.MAX_VALUE_CHARS))
+
+
+def test_a_join_stops_drawing_pieces_once_its_result_is_too_long():
+    drawn = []
+
+    def pieces():
+        for i in range(2**20):
+            drawn.append(i)
+            yield str(i)
+
+    why = _judge("assert f(1).join(f(2)) == ''", "x" * 500_000, pieces())
+    assert why is not None and "a join of more than" in why
+    assert len(drawn) < 40  # 2**24 characters / 500,000 per separator: the parent stopped after 34 pieces
+    assert _judge("assert ''.join(f(1)) == '0123'", (str(i) for i in range(4))) is None
 
 
 def test_judging_stops_at_its_deadline():

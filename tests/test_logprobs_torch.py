@@ -166,17 +166,25 @@ def test_extreme_logits(dtype, case, softcap):
                          ids=["weight_and_bias_frozen", "hidden_without_grad", "only_weight"])
 def test_needs_input_grad(dtype, grad):
     hidden, weight, bias, targets = _inputs(dtype=dtype, seed=12)
-    g, ge = _upstream(N, seed=13)
+    g, ge = _upstream(N, seed=13, zero_rows=range(50, 100))  # the second token block is dead, the others partly
     params = LogprobParams(1.5, None, True, vocab_chunk=400, token_chunk=50)
     out = _check(dtype, hidden, weight, bias, targets, params, g, ge, grad=grad)
     for x, req in zip(out[2:], grad):
         assert (x is not None) == req
-    # frozen operands also skip their matmuls: recompute + one product per trainable [N, H] / [V, H] operand
+    # frozen operands also skip their matmuls: the recompute (whole token blocks that hold a live row, as the forward
+    # made them) + one product per trainable [N, H] / [V, H] operand over the live rows only
     h, w, b = (x.detach().clone().requires_grad_(r) for x, r in zip((hidden, weight, bias), grad))
     logps, entropy = chunked_logprobs(h, w, targets, b, params)
     loss = (logps * g.float()).sum() + (entropy * ge.float()).sum()
-    active = int(((g != 0) | (ge != 0)).sum())
-    assert _backward_matmul_flops(loss) == (1 + grad[0] + grad[1]) * 2 * active * V * H
+    live = (g != 0) | (ge != 0)
+    recomputed = _recomputed_rows(live, params.token_chunk)
+    assert int(live.sum()) < recomputed < N  # a dead block, and dead rows in live blocks
+    assert _backward_matmul_flops(loss) == (recomputed + (grad[0] + grad[1]) * int(live.sum())) * 2 * V * H
+
+
+def _recomputed_rows(live, token_chunk):
+    """Rows whose logits the backward recomputes: every row of a token block that holds a live row."""
+    return sum(len(block) for block in live.split(token_chunk) if block.any())
 
 
 _MATMULS = {"aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm"}
@@ -199,7 +207,8 @@ def _backward_matmul_flops(loss):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_zero_upstream_rows_cost_no_matmul(dtype):
-    """Masked rows are skipped: backward matmul FLOPs scale with the active rows; the numbers equal the reference."""
+    """Masked rows are skipped: dh and dW matmul FLOPs scale with the active rows, the recompute with the blocks that
+    hold one (whole, as the forward made them); the numbers equal the reference."""
     hidden, weight, bias, targets = _inputs(dtype=dtype, seed=14)
     zero = list(range(0, 10)) + list(range(30, 90)) + list(range(100, 123, 2))  # whole blocks and scattered rows
     g, ge = _upstream(N, seed=15, zero_rows=zero)
@@ -211,8 +220,10 @@ def test_zero_upstream_rows_cost_no_matmul(dtype):
     h, w, b = (x.detach().clone().requires_grad_(True) for x in (hidden, weight, bias))
     logps, entropy = chunked_logprobs(h, w, targets, b, params)
     loss = (logps * g.float()).sum() + (entropy * ge.float()).sum()
-    # recompute z, dh = dz W, dW = dz^T h: three 2 n V H matmuls over the n active rows only
-    assert _backward_matmul_flops(loss) == 3 * 2 * active * V * H
+    # recompute z over the live blocks; dh = dz W, dW = dz^T h: two 2 n V H matmuls over the n active rows only
+    recomputed = _recomputed_rows((g != 0) | (ge != 0), params.token_chunk)
+    assert recomputed == 16 * 4 + 11  # blocks 0-15 (rows 0-9 dead), 16-31, 80-95, 96-111, 112-122; 32-79 skipped
+    assert _backward_matmul_flops(loss) == (recomputed + 2 * active) * 2 * V * H
 
 
 def test_all_zero_upstream_skips_backward():

@@ -663,9 +663,24 @@ class _Evaluator:
         receiver = getattr(fn, "__self__", None)
         if type(receiver) in (str, bytes) and fn.__name__ in ("join", "replace"):
             if fn.__name__ == "join" and args:
-                args = [list(args[0]), *args[1:]]  # a lazy iterable is measured before it is joined
-            _check_text_size(receiver, fn.__name__, args)
+                args = [self._join_pieces(receiver, args[0]), *args[1:]]
+            else:
+                _check_text_size(receiver, fn.__name__, args)
         return fn(*args, **kwargs)
+
+    def _join_pieces(self, separator: str | bytes, pieces: Any) -> list:
+        """The pieces of ``separator.join(pieces)``, drawn one by one and measured as they come: the parent stops as
+        soon as the result would pass :data:`_MAX_CHARS` (``f(3).join(map(str, range(2**20)))`` with a long ``f(3)``
+        stops after a few dozen pieces, not a million), and looks at the run's clock as it goes."""
+        drawn, size = [], 0
+        for piece in pieces:
+            size += (len(separator) if drawn else 0) + (len(piece) if type(piece) is type(separator) else 0)
+            if size > _MAX_CHARS:
+                raise _Failed(f"a join of more than {_MAX_CHARS} characters")
+            drawn.append(piece)
+            if len(drawn) % _CLOCK_STEPS == 0 and self._deadline is not None and time.monotonic() > self._deadline:
+                raise _Failed("judging the run's tests took longer than its time limit")
+        return drawn
 
     def _lambda(self, params: list[str], body: ast.expr, env: dict[str, Any]) -> Callable:
         def call(*args: Any) -> Any:
@@ -717,13 +732,10 @@ def _check_text_output(value: Any) -> None:
 
 
 def _check_text_size(receiver: str | bytes, method: str, args: list) -> None:
-    """Refuse a ``join`` or ``replace`` whose result would pass :data:`_MAX_CHARS` (each side may come from the code
-    under test: ``sep.join(parts)`` is about ``len(sep) * len(parts)``, ``s.replace(old, new)`` up to ``len(new)``
-    per match)."""
-    if method == "join" and args:
-        pieces = args[0]
-        size = len(receiver) * max(len(pieces) - 1, 0) + sum(len(p) for p in pieces if type(p) is type(receiver))
-    elif method == "replace" and len(args) >= 2 and all(type(a) is type(receiver) for a in args[:2]):
+    """Refuse a ``replace`` whose result would pass :data:`_MAX_CHARS` (each side may come from the code under test:
+    ``s.replace(old, new)`` makes up to ``len(new)`` per match; a ``join`` is measured piece by piece,
+    :meth:`_Evaluator._join_pieces`)."""
+    if method == "replace" and len(args) >= 2 and all(type(a) is type(receiver) for a in args[:2]):
         old, new = args[0], args[1]
         matches = receiver.count(old) if old else len(receiver) + 1
         if len(args) > 2 and type(args[2]) is int and args[2] >= 0:
