@@ -142,10 +142,9 @@ def run_mirrored(config, *, eval_every: int) -> dict:
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     warnings.filterwarnings("ignore")
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from bench.bench_peer import trl_args
+    from bench.bench_peer import step_timer, trl_args
     from grpo_fast.train.evaluation import evaluate
     from grpo_fast.train.lifecycle import prepare
     from grpo_fast.train.rewards import load_reward
@@ -159,18 +158,14 @@ def run_mirrored(config, *, eval_every: int) -> dict:
     model_dir = tempfile.mkdtemp(prefix="agent_trl_model_")
     stop_at_call(run.model, tokenizer).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
-    seconds: list[float] = []
 
-    class Steps(TrainerCallback):  # the step's wall time, and grpo-fast's held-out evaluation of TRL's weights
-        def on_step_begin(self, args, state, control, **kwargs):
-            self._t0 = time.perf_counter()
+    def evaluate_trl(state, model):  # grpo-fast's held-out evaluation of TRL's weights, outside the step's time
+        if state.global_step % eval_every == 0 or state.global_step == config.steps:
+            run.model.load_state_dict(model.state_dict())
+            held_out[state.global_step] = evaluate(run)
+            model.train()
 
-        def on_step_end(self, args, state, control, model=None, **kwargs):
-            seconds.append(time.perf_counter() - self._t0)
-            if state.global_step % eval_every == 0 or state.global_step == config.steps:
-                run.model.load_state_dict(model.state_dict())
-                held_out[state.global_step] = evaluate(run)
-                model.train()
+    timer = step_timer(evaluate_trl)
 
     # the warm-up made the model TRL starts from; every other option maps as in the peer comparison
     args = GRPOConfig(**trl_args(dataclasses.replace(config, sft_warmup_steps=0), os.path.join(model_dir, "trl")))
@@ -178,10 +173,10 @@ def run_mirrored(config, *, eval_every: int) -> dict:
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
                                  for r in records])
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[load_reward(name) for name in config.rewards], args=args,
-                          train_dataset=dataset, processing_class=tokenizer, tools=[calc], callbacks=[Steps()])
+                          train_dataset=dataset, processing_class=tokenizer, tools=[calc], callbacks=[timer])
     trainer.train()
     logs = {h["step"]: h for h in trainer.state.log_history if "reward" in h}
-    curve = [dict(step=step, step_ms=1000 * s, **{name: logs.get(step, {}).get(key, math.nan)
-                                                  for name, key in CURVE_LOGS.items()})
-             for step, s in enumerate(seconds, 1)]
+    curve = [dict(step=step, step_ms=ms, **{name: logs.get(step, {}).get(key, math.nan)
+                                            for name, key in CURVE_LOGS.items()})
+             for step, ms in enumerate(timer.ms, 1)]
     return dict(curve=curve, held_out=held_out, seconds=time.perf_counter() - started)

@@ -147,7 +147,7 @@ NOT_MAPPED = {
     "dataset": "builtin tasks only: GRPOTrainer(train_dataset=...) of the same records",
     "eval_dataset": "both are scored by grpo-fast's evaluate on the task's held-out split",
     "prompt_column": f"{REFUSED}: TRL reads the 'prompt' column",
-    "system_prompt": f"{REFUSED}: GRPOConfig has no system prompt (the tiny tokenizer has no chat template)",
+    "system_prompt": f"{REFUSED}: GRPOConfig has no system prompt (the task's plain-text prompts reach both sides as they are)",
     "max_prompt_length": "grpo-fast's limit refuses longer prompts (never truncates); the task's prompts fit",
     "eval_size": "both are scored by grpo-fast's evaluate",
     "rewards": "GRPOTrainer(reward_funcs=...): the same functions (grpo_fast.train.rewards.load_reward)",
@@ -348,32 +348,41 @@ def paired_records(cfg, steps: int) -> list[dict]:
     return [r for _ in range(steps) for r in sampler.next_batch()]
 
 
-def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None, paired: bool = False) -> dict:
-    """TRL's ``GRPOTrainer`` on the same task, model weights and settings; the same outputs as ``run_grpo_fast``.
-    ``paired``: grpo-fast's prompt order and sampling stream (:func:`paired_trl`)."""
-    start = _start("trl", threads)
+def step_timer(after_step=None):
+    """A ``TrainerCallback`` timing each of TRL's steps (its ``ms``: one wall time per step, ``PhaseTimer``): TRL's
+    Trainer drives the loop, so its step hooks mark the steps' ends. ``after_step(state, model)``, when given, runs
+    after each step's time is taken (a held-out evaluation, say), outside the timing."""
     from transformers import TrainerCallback
 
-    from grpo_fast.train.distributed import PolicyForward
-    from grpo_fast.train.evaluation import evaluate
-    from grpo_fast.train.trainer import setup
-
-    class StepTimer(TrainerCallback):  # TRL's Trainer drives the loop: its step hooks mark the phase's ends
+    class StepTimer(TrainerCallback):
         def __init__(self):
             self.timer = PhaseTimer("cpu", ("step",))
 
         @property
-        def ms(self):
+        def ms(self) -> list[float]:
             return self.timer.ms["step"]
 
         def on_step_begin(self, args, state, control, **kwargs):
             self.timer.start("step")
 
-        def on_step_end(self, args, state, control, **kwargs):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
             self.timer.stop("step")
+            if after_step is not None:
+                after_step(state, model)
+
+    return StepTimer()
+
+
+def run_trl(steps: int, seed: int, threads: int, overrides: dict | None = None, paired: bool = False) -> dict:
+    """TRL's ``GRPOTrainer`` on the same task, model weights and settings; the same outputs as ``run_grpo_fast``.
+    ``paired``: grpo-fast's prompt order and sampling stream (:func:`paired_trl`)."""
+    start = _start("trl", threads)
+    from grpo_fast.train.distributed import PolicyForward
+    from grpo_fast.train.evaluation import evaluate
+    from grpo_fast.train.trainer import setup
 
     cfg = default_config(steps, seed, "unused", **(overrides or {}))
-    timer = StepTimer()
+    timer = step_timer()
     # grpo-fast's own held-out evaluation (same prompts, greedy decoding, reward), pointed at TRL's model below;
     # set up first, so that TRL's Trainer seeds the random streams after it as it always does
     scorer = setup(cfg)

@@ -334,7 +334,7 @@ def _eval_parser(sub) -> None:
     add("--model", metavar="DIR", help="saved model directory (full weights or a LoRA adapter)")
     add("--dataset", metavar="FILE", help="builtin:NAME (its held-out split) or a .jsonl/.json/.parquet file")
     add("--rewards", metavar="R,...", default="math", help="reward functions: math, exact, format, code, "
-        "module:function or path.py:function (default: math)")
+        "module:function or path.py:function; none: the --environment's get_reward() alone (default: math)")
     add("--reward-weights", metavar="W,...", default="", help="one weight per reward (default: all 1)")
     add("--samples", metavar="K", default="1", help="completions per prompt (default 1: greedy)")
     add("--temperature", metavar="T", default=None, help="sampling temperature (default: 0, greedy, for one "

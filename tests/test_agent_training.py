@@ -89,24 +89,50 @@ class CalcDesk:
         return 1.0 if self.last == self.answer else 0.0
 
 
+class SpacedDesk(CalcDesk):
+    """A desk whose reset() extends the prompt (TRL's rule; the rewards then see the prompt so extended)."""
+
+    def reset(self, **record):
+        super().reset(**record)
+        return " "
+
+
 def environments_seen(prompts, completions, environments=None, **kwargs):
     assert environments is not None and len(environments) == len(completions)
     assert all(isinstance(env, CalcDesk) for env in environments)
     assert len({id(env) for env in environments}) == len(environments)  # one instance per row
-    return [0.0] * len(completions)
+    assert {"prompt", "answer"} <= CalcDesk.seen_columns  # reset(**record) got the whole record
+    # the prompts the rewards see are the ones the model saw: extended where reset() returned a string
+    assert all(p.endswith("=" if type(env) is CalcDesk else "= ") for p, env in zip(prompts, environments)), prompts
+    return [float(env.last is not None) for env in environments]
 '''
 
 
-def test_an_environment_gives_its_tools_its_reward_and_its_column(tmp_path):
+@pytest.mark.parametrize("desk", ["CalcDesk", "SpacedDesk"])
+def test_an_environment_gives_its_tools_its_reward_and_its_column(tmp_path, desk):
     (tmp_path / "desk.py").write_text(ENVIRONMENT)
-    config = small_config(tmp_path, **{**CALC, "tools": "", "sft_warmup_steps": 0,
-                                       "environment": f"{tmp_path / 'desk.py'}:CalcDesk",
+    config = small_config(tmp_path, **{**CALC, "tools": "", "environment": f"{tmp_path / 'desk.py'}:{desk}",
                                        "rewards": f"{tmp_path / 'desk.py'}:environments_seen"})
-    train(config)
+    train(config)  # the warm-up's demonstrations call "calc": the desk's method of that name
     m = _steps(tmp_path / "run")[0]
-    assert "rewards/CalcDesk" in m and "rewards/environments_seen" in m
-    # the environment's reward is the fraction of rows whose last call computed the answer
-    assert 0.0 <= m["rewards/CalcDesk"] <= 1.0
+    assert f"rewards/{desk}" in m and "rewards/environments_seen" in m
+    if desk == "CalcDesk":  # the desk's method is the tool the warmed-up model calls (the reward: desks that ran)
+        assert m["rewards/environments_seen"] > 0.5 and m["tools/call_frequency"] > 0.5
+    # (the warm-up's demonstrations end in "=": after "= " the model rarely calls; the prompts are the point there)
+
+
+def test_the_environment_reward_alone(tmp_path):
+    """--rewards none: the environment's get_reward() is the only reward (TRL's reward_funcs=[])."""
+    (tmp_path / "desk.py").write_text(ENVIRONMENT)
+    config = small_config(tmp_path, **{**CALC, "tools": "", "rewards": "none",
+                                       "environment": f"{tmp_path / 'desk.py'}:CalcDesk"})
+    summary = train(config)
+    m = _steps(tmp_path / "run")[0]
+    assert [k for k in m if k.startswith("rewards/")] == ["rewards/CalcDesk"]
+    assert m["reward"] == m["rewards/CalcDesk"]
+    assert summary.eval_before is not None and summary.eval_before > 0.3  # held out, by the desk's reward too
+    with pytest.raises(ValueError, match="TrainConfig.rewards must name at least one reward function"):
+        TrainConfig(rewards=["none"])  # and no environment
 
 
 def test_the_environment_reward_counts_in_the_held_out_evaluation(tmp_path):
@@ -145,6 +171,10 @@ def test_a_resumed_tool_run_matches_an_uninterrupted_one(tmp_path):
     for k in expected:
         assert torch.equal(got[k], expected[k]), k
     assert [m["kl"] for m in _steps(tmp_path / "halted")] == [m["kl"] for m in _steps(tmp_path / "straight")]
+    # another warm-up would make another reference model: refused, not resumed silently
+    with pytest.raises(ValueError, match="sft_warmup_steps"):
+        train(small_config(tmp_path, **{**kwargs, "steps": 5, "sft_warmup_steps": 20},
+                           output_dir=str(tmp_path / "halted"), resume=True))
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -215,3 +245,21 @@ def test_the_command_line_trains_and_evaluates_with_tools(tmp_path):
                            "--max-tool-calling-iterations", "x"], capture_output=True, text=True, timeout=600,
                           cwd=REPO)
     assert proc.returncode == 2 and "--max-tool-calling-iterations: expected an int, got 'x'" in proc.stderr
+
+
+def test_the_prompt_length_check_counts_the_tools_the_template_renders():
+    """The pre-flight check renders each prompt as the rollout will: with the tools' schemas in the template."""
+    from agent_fixtures import byte_chat_tokenizer
+
+    from grpo_fast.train.data import render_prompt
+    from grpo_fast.train.trainer import check_dataset_prompts
+
+    tok = byte_chat_tokenizer()
+    located = [("data.jsonl, line 1", {"prompt": "2*3=", "answer": "6"})]
+    bare = len(tok(render_prompt(tok, "2*3="), add_special_tokens=False)["input_ids"])
+    config = TrainConfig(model="unused", dataset="data.jsonl", max_prompt_length=bare + 3, tools=[calc])
+    assert check_dataset_prompts(TrainConfig(model="unused", dataset="data.jsonl", max_prompt_length=bare + 3),
+                                 located, tok) == ("data.jsonl, line 1", bare)
+    with pytest.raises(ValueError, match=r"data\.jsonl, line 1: the prompt is \d+ tokens long once rendered, more "
+                                         r"than TrainConfig\.max_prompt_length"):
+        check_dataset_prompts(config, located, tok)

@@ -153,6 +153,21 @@ def test_a_tool_that_hangs_times_out_and_rows_run_concurrently():
 def test_an_environment_offers_its_public_methods():
     tools = environment_tools(Counter())
     assert [t.name for t in tools] == ["increment"]
+
+    class Gadgets(Counter):
+        limit = 3
+
+        def __init__(self):
+            super().__init__()
+            self.helper = add  # a callable the instance holds: not one of its methods
+
+        @property
+        def state(self):
+            raise RuntimeError("a property is never run to list the tools")
+
+    assert [t.name for t in environment_tools(Gadgets())] == ["increment"]  # inherited, bound to the instance
+    gadgets = Gadgets()
+    assert environment_tools(gadgets)[0].fn(2) == 2 and gadgets.count == 2
     with pytest.raises(TypeError, match="must define a callable reset"):
         environment_tools(object())
 
@@ -241,6 +256,10 @@ def test_chat_template_format_reads_hermes_calls_and_renders_results():
     assert suffix == "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|><|im_start|>assistant\n"
     message = fmt.messages(turn, calls[:1])
     assert message["role"] == "assistant" and message["tool_calls"][0]["function"]["name"] == "add"
+    # <tool_call> is a special token here: the blocks are cut out before the specials are dropped, JSON and all
+    assert message["content"] == "Let me add."
+    final = fmt.messages(tok("just 5<|im_end|>", add_special_tokens=False)["input_ids"], [])
+    assert final == {"role": "assistant", "content": "just 5"}
 
 
 # ------------------------------------------------------------------------------------------------ the loop
@@ -319,7 +338,9 @@ def test_multi_turn_rollout_feeds_tool_tokens_and_masks_them(monkeypatch, max_it
         fed = tok.decode(ro.completion_ids[r][:n][~ro.loss_mask[r][:n].bool()], skip_special_tokens=False)
         expected_fed = {0: "408 2 " if max_iterations is None else "408 ", 1: "", 2: "81 ", 3: "2 "}[r]
         assert fed == expected_fed, (r, fed)
-        assert trained + fed != ""  # every token is one or the other
+        expected_trained = {0: "12*34<call>2<call><eos>" if max_iterations is None else "12*34<call>2<call>",
+                            1: "<eos>", 2: "9*9<call><eos>", 3: "1+1<call>5<eos>"}[r]
+        assert trained == expected_trained, (r, trained)  # the model's own tokens, and only those
         assert (ro.sampling_logps[r][:n][~ro.loss_mask[r][:n].bool()] == 0).all()
     assert ro.completion_lengths.tolist() == ro.loss_mask.sum(1).tolist()
     # the cache saw the tool tokens where the transcript has them: teacher forcing gives the sampled log-probs
@@ -339,10 +360,10 @@ def test_results_that_would_overflow_the_budget_end_the_row(monkeypatch):
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     model = tiny_model(tok, seed=0).eval()
     enc = tok(["1*1="], return_tensors="pt", add_special_tokens=False)
-    script = ids("999*999") + [call, eos]  # 8 tokens, then "998001 " (7) would make 15 > 12
+    script = ids("999*999") + [call, eos]  # 8 tokens, then "99800 " (the result cut to 5 tokens) would make 14 > 12
     next_token, advance = _scripted_next_token([script])
     monkeypatch.setattr(rollout_module, "_next_token", next_token)
-    agent = Agent([calc], None, tok, [eos])
+    agent = Agent([calc], None, tok, [eos], AgentOptions(max_tool_response_length=5))
     turns = agent.turns([None], [enc.input_ids[0].tolist()], max_new_tokens=12, context=64)
     original = turns.choose
 
@@ -360,6 +381,46 @@ def test_results_that_would_overflow_the_budget_end_the_row(monkeypatch):
     n = int(ro.completion_mask[0].sum())
     assert tok.decode(ro.completion_ids[0][:n], skip_special_tokens=False) == "999*999<call>"
     assert turns.stats.dropped_results == 1 and ro.loss_mask[0][:n].all()
+    assert turns.stats.truncated_results == 0  # the cut result never reached the model: it is not counted
+    assert turns.messages[0] == [{"role": "assistant", "content": "999*999", "tool_calls": [
+        {"type": "function", "function": {"name": "calc", "arguments": {"expression": "999*999"}}}]}]
+
+
+def _scripted_turns(monkeypatch, agent, prompt: str, script: list[int], budget: int):
+    """Generate one row of ``prompt`` along ``script`` with ``budget`` new tokens; returns (rollout, turns)."""
+    tok = agent.tokenizer
+    model = tiny_model(tok, seed=0).eval()
+    enc = tok([prompt], return_tensors="pt", add_special_tokens=False)
+    next_token, advance = _scripted_next_token([script])
+    monkeypatch.setattr(rollout_module, "_next_token", next_token)
+    turns = agent.turns([None], [enc.input_ids[0].tolist()], max_new_tokens=budget, context=64)
+    original = turns.choose
+
+    def choose(token, logp):
+        token, logp, sampled = original(token, logp)
+        advance(sampled)
+        return token, logp, sampled
+
+    turns.choose = choose
+    ro = generate(model, enc.input_ids, enc.attention_mask, 1, SamplingParams(budget, 1.0),
+                  eos_token_id=agent.eos_ids, pad_token_id=tok.pad_token_id, turns=turns)
+    return ro, turns
+
+
+def test_a_turn_cut_by_the_budget_is_the_rows_last_message(monkeypatch):
+    """The rewards read the model's words where the budget cut them, never the tool's result as its answer."""
+    tok = tiny_tokenizer("calc")
+    eos, call = tok.eos_token_id, tok.convert_tokens_to_ids("<call>")
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    agent = Agent([calc], None, tok, [eos], AgentOptions(max_tool_response_length=1))
+    try:  # "2*3<call>" (4), "6 " (2), then the model's "7777..." until 12 tokens: a final turn of 6, cut
+        ro, turns = _scripted_turns(monkeypatch, agent, "2*3=", ids("2*3") + [call] + ids("7" * 20) + [eos], 12)
+    finally:
+        agent.close()
+    assert tok.decode(ro.completion_ids[0], skip_special_tokens=False) == "2*3<call>6 777777"
+    assert turns.messages[0][1:] == [{"role": "tool", "name": "calc", "content": "6"},
+                                     {"role": "assistant", "content": "777777"}]
+    assert turns.stats.truncated_results == 0  # "6" is one token: nothing to cut
 
 
 # ------------------------------------------------------------------------------------------------ python tool, calc
@@ -426,10 +487,34 @@ def test_last_number_reward(completion, answer, score):
     assert last_number_reward(["p"], [completion], [answer]) == [score]
 
 
-def test_chat_template_rollout_feeds_the_rendered_suffix(monkeypatch):
+# transformers' response template for the fixture's Hermes-style template (what TRL's add_response_schema sets for
+# Qwen3): the turn's content, and its <tool_call> JSON blocks as calls
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+
+
+@pytest.mark.parametrize("parser", ["hermes", "response_template"])
+def test_chat_template_rollout_feeds_the_rendered_suffix(monkeypatch, parser):
     from trl_fixtures import tiny_qwen2
 
     tok = byte_chat_tokenizer()
+    parsed = []
+    if parser == "response_template":  # parse_response reads each turn, with everything before it as the prefix
+        tok.response_template = RESPONSE_TEMPLATE
+        original_parse = tok.parse_response
+
+        def parse_response(ids, prefix, **kwargs):
+            parsed.append((list(ids), list(prefix)))
+            return original_parse(ids, prefix=prefix, **kwargs)
+
+        tok.parse_response = parse_response
     eos = tok.eos_token_id
     ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
     model = tiny_qwen2(len(tok), seed=1, max_position_embeddings=512).eval()
@@ -437,7 +522,7 @@ def test_chat_template_rollout_feeds_the_rendered_suffix(monkeypatch):
     prompt = tok.apply_chat_template([{"role": "user", "content": "2+3?"}], tools=agent.schemas, tokenize=False,
                                      add_generation_prompt=True)
     enc = tok([prompt], return_tensors="pt", add_special_tokens=False)
-    first = ids('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
+    first = ids('Sure.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
     scripts = [first + ids("It is 5.<|im_end|>"), ids("No tools.<|im_end|>")]
     next_token, advance = _scripted_next_token(scripts)
     monkeypatch.setattr(rollout_module, "_next_token", next_token)
@@ -460,8 +545,16 @@ def test_chat_template_rollout_feeds_the_rendered_suffix(monkeypatch):
     assert ro.completion_ids[0][:n].tolist() == first + suffix + ids("It is 5.<|im_end|>")
     assert ro.loss_mask[0][:n].tolist() == [1] * len(first) + [0] * len(suffix) + [1] * len(ids("It is 5.<|im_end|>"))
     assert tok.decode(ro.completion_ids[1][: int(ro.completion_mask[1].sum())]) == "No tools.<|im_end|>"
-    assert [m["role"] for m in turns.messages[0]] == ["assistant", "tool", "assistant"]
-    assert turns.messages[0][1] == {"role": "tool", "name": "add", "content": "5"}
+    assert turns.messages[0] == [
+        {"role": "assistant", "content": "Sure.",
+         "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+        {"role": "tool", "name": "add", "content": "5"},
+        {"role": "assistant", "content": "It is 5."}]
+    assert turns.messages[1] == [{"role": "assistant", "content": "No tools."}]
+    if parser == "response_template":
+        prompt_ids = enc.input_ids[0].tolist()
+        assert (first, prompt_ids) in parsed  # the first turn, after the prompt
+        assert (ids("It is 5.<|im_end|>"), prompt_ids + first + suffix) in parsed  # the second, after the first
     with torch.no_grad():
         hidden = completion_hidden(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids, ro.completion_mask)
         forced = fused_logprobs(hidden, head_of(model).weight, ro.completion_ids, impl="torch")

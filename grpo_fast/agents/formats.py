@@ -63,6 +63,7 @@ class ChatTemplateFormat:
         self._eos = self.stop_ids
         self._parser = "response_template" if getattr(tokenizer, "response_template", None) else "hermes"
         self._suffix_cache: dict[tuple[str, ...], list[int]] = {}
+        self._parsed: tuple[tuple[int, ...], dict] | None = None  # the last turn parse_response read, and its parse
         self._check_template()
 
     def _render(self, messages: list[dict], generation_prompt: bool, tokenize: bool = True) -> list[int] | str:
@@ -116,6 +117,9 @@ class ChatTemplateFormat:
                                                          tools=self._schemas)
             except Exception:  # a turn the template's parser cannot read makes no call (TRL: likewise)
                 return []
+            if not isinstance(message, dict):
+                return []
+            self._parsed = (tuple(turn_ids), message)  # its content is the turn's message (messages())
             found = message.get("tool_calls") or []
             return [ToolCall(str(c.get("function", {}).get("name", "")), _arguments(c.get("function", {})))
                     for c in found if isinstance(c, dict)]
@@ -132,8 +136,21 @@ class ChatTemplateFormat:
         return calls
 
     def messages(self, turn_ids: Sequence[int], calls: Sequence[ToolCall]) -> dict:
-        text = self._tokenizer.decode(list(turn_ids), skip_special_tokens=True)
-        message = {"role": "assistant", "content": _HERMES.sub("", text).strip() if calls else text}
+        """The turn's text without its calls: the response template's parse of the content (TRL's message) where
+        the tokenizer has one (the parse :meth:`calls` made, with the history), else the text with the ``<tool_call>`` blocks cut out before the special tokens are
+        dropped (the tags are special tokens in many vocabularies: dropped first, they would leave the JSON)."""
+        content = None
+        if self._parsed is not None and self._parsed[0] == tuple(turn_ids):  # calls() just parsed this turn
+            content = self._parsed[1].get("content")
+            content = content if isinstance(content, str) else None
+        if content is None:
+            text = self._tokenizer.decode(list(turn_ids), skip_special_tokens=False)
+            if calls:
+                text = _HERMES.sub("", text)
+            for special in self._tokenizer.all_special_tokens:
+                text = text.replace(special, "")
+            content = text.strip() if calls else text
+        message = {"role": "assistant", "content": content or ""}
         if calls:
             message["tool_calls"] = _tool_call_dicts(calls)
         return message

@@ -67,7 +67,7 @@ class Agent:
         if probe is not None:
             environment_tools(probe, "environment")  # refused here, once, rather than at the first step
         self.environment_name = None if probe is None else type(probe).__name__
-        self.has_environment_reward = callable(getattr(probe, "get_reward", None))
+        self.has_environment_reward = callable(getattr(type(probe), "get_reward", None))  # on the class, as reset
         self.tools = self._tool_set(probe)  # what every row offers (its own environment instance's methods)
         self.format = self._format(self.tools)
         logger.info("agent: tools %s, %s%s", ", ".join(self.tools.tools), type(self.format).__name__,

@@ -3,8 +3,8 @@
 A **tool** is a typed Python function with a Google-style docstring (``Args:`` naming each parameter); its JSON
 schema (``transformers.utils.get_json_schema``) is what the chat template shows the model. An **environment** is a
 class (or any callable returning an instance) with ``reset(**record)`` and public methods, which are its tools; one
-instance serves one rollout row, so rows never share state. ``reset`` may return a string, appended to the prompt's
-last user message (TRL's rule); an optional ``get_reward()`` scores the finished row (a reward source of weight 1,
+instance serves one rollout row, so rows never share state. ``reset`` may return a string, appended to the prompt (to
+the content of a conversation's last message: TRL's rule), which the rewards then receive; an optional ``get_reward()`` scores the finished row (a reward source of weight 1,
 named after the class).
 
 A call's result reaches the model as ``str(result)``. A tool that raises, times out, is unknown or gets arguments it
@@ -68,15 +68,18 @@ def as_tool(fn: Callable[..., Any], where: str = "tools") -> Tool:
 
 
 def environment_tools(instance: Any, where: str = "environment") -> list[Tool]:
-    """The tools of an environment instance: its public methods other than ``reset`` and ``get_reward``."""
-    if not callable(getattr(instance, "reset", None)):
+    """The tools of an environment instance: the public functions its class defines (inherited ones included), other
+    than ``reset`` and ``get_reward``, bound to the instance. Listed on the class, as TRL does: a property is never
+    run to find them, and a callable the instance merely holds in an attribute is not a tool."""
+    cls = type(instance)
+    if not callable(getattr(cls, "reset", None)):
         raise TypeError(f"{where}: an environment must define a callable reset(**record), "
-                        f"{type(instance).__name__} does not")
+                        f"{cls.__name__} does not")
     tools = []
-    for name, member in inspect.getmembers(instance, predicate=callable):
-        if name.startswith("_") or name in ("reset", "get_reward") or inspect.isclass(member):
+    for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction):
+        if name.startswith("_") or name in ("reset", "get_reward"):
             continue
-        tools.append(as_tool(member, f"{where} {type(instance).__name__}.{name}"))
+        tools.append(as_tool(getattr(instance, name), f"{where} {cls.__name__}.{name}"))
     if not tools:
         raise ValueError(f"{where}: {type(instance).__name__} has no public method to offer as a tool")
     return tools
@@ -165,7 +168,7 @@ class ToolRunner:
                     value = asyncio.run(_awaited(value))
                 result["value"] = value
             except BaseException as e:  # noqa: BLE001 - a tool's failure is the model's to read, never the run's
-                result["error"] = f"{type(e).__name__}: {e}" if not str(e) else str(e)
+                result["error"] = str(e) or type(e).__name__  # TRL's str(e); the type where that says nothing
             finally:
                 done.set()
 

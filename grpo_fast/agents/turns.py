@@ -69,8 +69,18 @@ class ToolTurns:
         self._turn_start = [0] * rows  # where the current model turn begins in completions[r]
         self._queue: list[list[int]] = [[] for _ in range(rows)]
         self._rounds = [0] * rows
-        self.messages: list[list[dict]] = [[] for _ in range(rows)]  # the assistant and tool messages, TRL's form
+        self._messages: list[list[dict]] = [[] for _ in range(rows)]  # the finished turns' messages
         self.stats = TurnStats(calls_per_row=[0] * rows)
+
+    @property
+    def messages(self) -> list[list[dict]]:
+        """Each row's assistant and tool messages (TRL's form), a turn cut off by the length budget included (as
+        text: a call it had not finished is not a call)."""
+        out = []
+        for r, finished in enumerate(self._messages):
+            cut = self.completions[r][self._turn_start[r]:]
+            out.append(finished + [self._fmt.messages(cut, [])] if cut else list(finished))
+        return out
 
     def choose(self, token: torch.Tensor, logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The tokens the rows feed this step: a row with queued tool tokens feeds the next one (log-prob 0), the
@@ -111,7 +121,8 @@ class ToolTurns:
         for r in rows:
             turn = self.completions[r][self._turn_start[r]:]
             calls = self._fmt.calls(turn, self._prompts[r] + self.completions[r][: self._turn_start[r]])
-            self.messages[r].append(self._fmt.messages(turn, calls))
+            self._messages[r].append(self._fmt.messages(turn, calls))
+            self._turn_start[r] = len(self.completions[r])  # the turn is in the messages (results move it on)
             if not calls or (self._max_iterations is not None and self._rounds[r] >= self._max_iterations):
                 done.add(r)
             else:
@@ -138,23 +149,25 @@ class ToolTurns:
         self.stats.calls += len(calls)
         self.stats.calls_per_row[r] += len(calls)
         self.stats.failures += sum(failed for _, _, failed in outcomes)
-        results = [(name, self._cut(text)) for name, text, _ in outcomes]
+        cut = [self._cut(text) for _, text, _ in outcomes]
+        results = [(name, text) for (name, _, _), (text, _) in zip(outcomes, cut)]
         suffix = self._fmt.suffix_ids(results)
         used = len(self.completions[r]) + len(suffix)
         if used > self._budget or (self._context is not None and len(self._prompts[r]) + used >= self._context):
             self.stats.dropped_results += 1
             return False
+        self.stats.truncated_results += sum(was_cut for _, was_cut in cut)  # results the model reads cut
         self._rounds[r] += 1
         self._queue[r] = list(suffix)
-        self.messages[r].extend({"role": "tool", "name": name, "content": text} for name, text in results)
+        self._messages[r].extend({"role": "tool", "name": name, "content": text} for name, text in results)
         self._turn_start[r] = len(self.completions[r]) + len(suffix)
         return True
 
-    def _cut(self, text: str) -> str:
+    def _cut(self, text: str) -> tuple[str, bool]:
+        """The result as the model reads it (at most ``max_result_tokens`` tokens), and whether it was cut."""
         if self._max_result_tokens is None:
-            return text
+            return text, False
         ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) <= self._max_result_tokens:
-            return text
-        self.stats.truncated_results += 1
-        return self._tokenizer.decode(ids[: self._max_result_tokens])
+            return text, False
+        return self._tokenizer.decode(ids[: self._max_result_tokens]), True

@@ -16,6 +16,7 @@ import torch
 
 from grpo_fast.agents import Agent, AgentOptions, BUILTIN_TOOLS
 from grpo_fast.agents.session import turn_metrics
+from grpo_fast.agents.tools import as_tool, tool_set
 from grpo_fast.agents.turns import TurnStats
 from grpo_fast.train.config import object_spec
 from grpo_fast.train.rewards import load_object
@@ -23,7 +24,8 @@ from grpo_fast.train.tasks import TASK_SIZE, TOOL_TASKS, builtin_records, calc_d
 
 logger = logging.getLogger("grpo_fast.train")
 
-__all__ = ["AgentTrace", "build_agent", "environment_reward", "extend_prompt", "transcripts", "warm_up"]
+__all__ = ["AgentTrace", "build_agent", "environment_reward", "extend_prompt", "reward_sources", "tool_schemas",
+           "transcripts", "warm_up"]
 
 
 @dataclass
@@ -31,6 +33,7 @@ class AgentTrace:
     """What a generation's tool use left for the rewards and the metrics (``Rollout.trace``)."""
 
     environments: list[Any]
+    records: list[dict]  # the records as the rollout used them: prompts extended by the environments' reset()
     stats: list[TurnStats] = field(default_factory=list)
     rows: int = 0
 
@@ -57,15 +60,33 @@ def build_agent(config, tokenizer, eos_ids: list[int]) -> Agent | None:
                          f"built-in tool tasks ({', '.join('builtin:' + t for t in TOOL_TASKS)}), got dataset="
                          f"{config.dataset!r}; other datasets take tools with a chat model (--model DIR) whose chat "
                          "template renders them")
-    tools = [tool if callable(tool) else load_object(tool, "tool", BUILTIN_TOOLS) for tool in config.tools]
-    factory = config.environment
-    if isinstance(factory, str):
-        factory = load_object(factory, "environment", {})
+    tools, factory = _tool_objects(config)
     options = AgentOptions(config.max_tool_calling_iterations, config.max_tool_response_length,
                            config.tool_timeout, config.tool_workers)
     try:
         return Agent(tools, factory, tokenizer, eos_ids, options)
     except ValueError as e:  # the tokenizer cannot carry the tools, two share a name
+        raise ValueError(f"TrainConfig.{'tools' if config.tools else 'environment'}: {e}") from None
+
+
+def _tool_objects(config) -> tuple[list, Any]:
+    """The run's tool functions and environment factory (None), loaded from their specs."""
+    tools = [tool if callable(tool) else load_object(tool, "tool", BUILTIN_TOOLS) for tool in config.tools]
+    factory = config.environment
+    if isinstance(factory, str):
+        factory = load_object(factory, "environment", {})
+    return tools, factory
+
+
+def tool_schemas(config) -> list[dict] | None:
+    """The tools' JSON schemas as the chat template shows them in every prompt (an environment's methods included,
+    from one instance), for the pre-flight prompt-length check; None for a run without tools."""
+    if not config.tools and not config.environment:
+        return None
+    tools, factory = _tool_objects(config)
+    try:
+        return tool_set([as_tool(fn, "tools") for fn in tools], None if factory is None else factory()).schemas
+    except ValueError as e:
         raise ValueError(f"TrainConfig.{'tools' if config.tools else 'environment'}: {e}") from None
 
 
@@ -99,18 +120,15 @@ def warm_up(config, model, tokenizer, agent: Agent | None) -> list[float]:
 
 
 def extend_prompt(prompt: str | list[dict], observation: str | None) -> str | list[dict]:
-    """The prompt with an environment's ``reset`` string appended to its last user message (TRL's rule)."""
+    """The prompt with an environment's ``reset`` string appended (TRL's rule): to a plain prompt's text, or to the
+    content of a conversation's last message (a new copy; the record is left untouched)."""
     if observation is None:
         return prompt
     if isinstance(prompt, str):
         return prompt + observation
-    messages = [dict(m) for m in prompt]
-    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
-    if last is None:
-        messages.append({"role": "user", "content": observation})
-    else:
-        messages[last]["content"] = (messages[last].get("content") or "") + observation
-    return messages
+    if not prompt:
+        return [{"role": "user", "content": observation}]
+    return [*prompt[:-1], {**prompt[-1], "content": (prompt[-1].get("content") or "") + observation}]
 
 
 def transcripts(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.Tensor, messages: list[list[dict]],
@@ -127,6 +145,22 @@ def transcripts(tokenizer, completion_ids: torch.Tensor, completion_mask: torch.
             out.append(tokenizer.decode([t for t, m in zip(ids, mask) if m and t not in drop],
                                         skip_special_tokens=False))
     return out
+
+
+def reward_sources(reward_funcs: list, weights: list[float], agent: Agent | None) -> tuple[list, list[float]]:
+    """The run's reward functions and weights, the environment's ``get_reward()`` appended when it has one (TRL's:
+    named after the class, weight 1); refuses a run left with none (``--rewards none`` without such an
+    environment)."""
+    reward_funcs, weights = list(reward_funcs), list(weights)
+    if agent is not None and agent.has_environment_reward:
+        reward_funcs.append(environment_reward(agent.environment_name))
+        weights.append(1.0)
+    if not reward_funcs:
+        env = agent.environment_name if agent is not None else None
+        raise ValueError("TrainConfig.rewards: no reward source; name a reward function, or give an environment "
+                         f"with a get_reward() method (TRL's rule), got rewards=none and environment {env} "
+                         "without get_reward()")
+    return reward_funcs, weights
 
 
 def environment_reward(name: str):

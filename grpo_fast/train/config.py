@@ -91,7 +91,7 @@ class TrainConfig:
     eval_size: int = _f(256, "prompts in the before/after evaluation (greedy decoding, one completion each)")
     # rewards
     rewards: list[str] = _f(["math"], "reward functions: math, exact, format, code, or module:function / "
-                            "path.py:function")
+                            "path.py:function; none: the environment's get_reward() alone (TRL's reward_funcs=[])")
     reward_weights: list[float] = _f([], "one weight per reward function (empty: all 1)")
     # GRPO
     steps: int = _f(800, "training steps; each samples one generation and makes mu optimizer updates on it")
@@ -318,8 +318,11 @@ class TrainConfig:
         if self.merge_lora and not self.lora_r:
             raise ValueError("TrainConfig.merge_lora needs a LoRA run (lora_r > 0): a full fine-tune writes full "
                              "weights already; got lora_r=0")
-        if not self.rewards:
-            raise ValueError("TrainConfig.rewards must name at least one reward function, got an empty list")
+        if self.rewards == ["none"]:
+            self.rewards = []  # the environment's reward alone (checked where the environment is loaded)
+        if not self.rewards and not self.environment:
+            raise ValueError("TrainConfig.rewards must name at least one reward function (or none with an environment "
+                             "whose get_reward() scores the rows), got an empty list")
         bad = [w for w in self.reward_weights if isinstance(w, bool) or not isinstance(w, (int, float))
                or not math.isfinite(w)]
         if bad:

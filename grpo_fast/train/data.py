@@ -218,10 +218,12 @@ def _is_empty(prompt: Prompt) -> bool:
 def check_prompts(
     located: Sequence[tuple[str, dict]], tokenizer: Any, *, prompt_column: str, max_prompt_length: int,
     system_prompt: str | None = None, count_tokens: Callable[[str], int] | None = None, batch: int = 1024,
+    tools: list[dict] | None = None,
 ) -> tuple[str, int] | None:
     """Every prompt of the dataset at once, before the first step (a bad one would otherwise surface only when it
     is sampled, maybe hours in): none is empty or whitespace only, and none is longer than ``max_prompt_length``
-    tokens once rendered (:func:`render_prompt`: chat template, system prompt) and tokenized as the rollout does.
+    tokens once rendered (:func:`render_prompt`: chat template, system prompt, the run's ``tools`` schemas) and
+    tokenized as the rollout does.
     ``located`` pairs each record with where it is (``"data.jsonl, line 3"``); the error names the first bad
     record, what was expected and how many more there are. ``count_tokens(text)``, when given, replaces the
     tokenizer's count (``len`` for a character-level tokenizer: 1.5 s less for the built-in task's 4,352 prompts).
@@ -238,7 +240,8 @@ def check_prompts(
         texts = []
         for where, record in part:
             try:
-                texts.append(render_prompt(tokenizer, record[prompt_column], system_prompt=system_prompt))
+                texts.append(render_prompt(tokenizer, record[prompt_column], system_prompt=system_prompt,
+                                           tools=tools))
             except ValueError as e:
                 raise ValueError(f"{where}: {e}") from None
         if count_tokens is None:

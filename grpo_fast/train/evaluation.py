@@ -69,8 +69,9 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
             ro, completions = rollout(run, part or run.eval_records[:1], samples, params,
                                       first_chunk=world.rank * calls + i, engine=engine)
             if part:
-                per_function = score(run, part, completions, samples,
-                                     ro.trace.environments if ro.trace is not None else None)
+                traced = ro.trace  # with tools: prompts as reset() extended them, and the environments
+                per_function = score(run, part if traced is None else traced.records, completions, samples,
+                                     None if traced is None else traced.environments)
                 rewards = weighted_reward(run, per_function)
                 total += float(rewards.sum())
                 unscored = per_function.isnan().all(dim=1)  # every function returned None
@@ -130,8 +131,12 @@ class EvalOptions:
         if not math.isfinite(self.pass_threshold):
             raise ValueError(f"--pass-threshold: expected a finite number, got {self.pass_threshold!r}")
         if not self.rewards:
-            raise ValueError("--rewards: expected at least one reward function, got none")
-        if self.reward_weights and len(self.reward_weights) != len(self.rewards):
+            raise ValueError("--rewards: expected at least one reward function (or none with an --environment whose "
+                             "get_reward() scores the rows), got none")
+        if self.rewards == ["none"] and not self.environment:
+            raise ValueError("--rewards none leaves the environment's get_reward() as the only reward: pass "
+                             "--environment, got none")
+        if self.reward_weights and len(self.reward_weights) != len([r for r in self.rewards if r != "none"]):
             raise ValueError(f"--reward-weights: expected one weight per reward ({len(self.rewards)}), got "
                              f"{len(self.reward_weights)}")
         model = Path(self.model)
@@ -212,7 +217,7 @@ def _evaluate(options: EvalOptions) -> dict:
     from grpo_fast.train.distributed import PolicyForward
     from grpo_fast.train.model import resolve_dtype
     from grpo_fast.train.rewards import load_reward
-    from grpo_fast.train.agentic import build_agent, environment_reward
+    from grpo_fast.train.agentic import build_agent, reward_sources
     from grpo_fast.train.model import context_length
     from grpo_fast.train.rollout import SamplingParams, eos_token_ids
     from grpo_fast.train.trainer import Run, load_datasets
@@ -234,7 +239,7 @@ def _evaluate(options: EvalOptions) -> dict:
         max_tool_response_length=options.max_tool_response_length,
     )
     try:  # the rewards and the prompts before the model: bad input fails fast
-        reward_funcs = [load_reward(name) for name in options.rewards]
+        reward_funcs = [load_reward(name) for name in config.rewards]  # none: [] (the environment's alone)
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         raise type(e)(f"--rewards: {e}") from None
     _, records = load_datasets(config)
@@ -244,10 +249,11 @@ def _evaluate(options: EvalOptions) -> dict:
     model, tokenizer = load_saved_model(model_dir, config, options.base_model)
     device = next(model.parameters()).device
     agent = build_agent(config, tokenizer, eos_token_ids(model, tokenizer))
-    weights = list(options.reward_weights or [1.0] * len(options.rewards))
-    if agent is not None and agent.has_environment_reward:  # as in training: the environment's reward, weight 1
-        reward_funcs.append(environment_reward(agent.environment_name))
-        weights.append(1.0)
+    try:  # as in training: the environment's reward, weight 1
+        reward_funcs, weights = reward_sources(reward_funcs, options.reward_weights or [1.0] * len(reward_funcs),
+                                               agent)
+    except ValueError as e:
+        raise ValueError(f"--rewards: {str(e).removeprefix('TrainConfig.rewards: ')}") from None
     run = Run(config=config, model=model, ref_model=None, tokenizer=tokenizer, optimizer=None, scheduler=None,
               sampler=None, reward_funcs=reward_funcs, reward_weights=torch.tensor(weights),
               loss_config=None, eval_records=records, device=device, dtype=resolve_dtype(options.dtype, device),

@@ -336,7 +336,8 @@ def _save_before_failed_step(run: Run, ckpt_dir: Path, sampler_state: dict, rng_
 RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "keep_checkpoints", "resume",
                      "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl",
                      "shared_prefix", "merge_lora", "vllm_gpu_memory_utilization", "vllm_kv_cache_mib",
-                     "vllm_enable_sleep_mode", "tool_timeout", "tool_workers", "sft_warmup_steps"}
+                     "vllm_enable_sleep_mode", "tool_timeout", "tool_workers"}
+# (not sft_warmup_steps: a resumed run repeats the warm-up to rebuild the reference model, which must be the same)
 
 
 def load_checkpoint(run: Run, directory: Path) -> bool:

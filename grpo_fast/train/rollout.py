@@ -240,7 +240,8 @@ def rollout(run, records: list[dict], group_size: int, params: SamplingParams, f
     """Samples ``group_size`` completions per record with ``engine`` (the run's is ``engines.engine_of(run)``),
     ``generation_prompts`` prompts at a time (their KV caches are what bounds generation memory); chunk ``i`` samples
     with seed ``sampling_seed(seed, step, first_chunk + i)``. ``run``: the trainer's ``Run``; returns the rollout and
-    the decoded completions."""
+    the decoded completions. With tools, ``Rollout.trace`` holds the rows' environments and the records as sampled
+    (their prompts extended by the environments' ``reset``): what the rewards must score."""
     if dist_.inner_model(run.policy) is not run.model:  # e.g. run.model replaced without its wrapper
         raise RuntimeError("Run.policy wraps another model than Run.model; replace both (distributed.wrap)")
     chunk = run.config.generation_prompts or len(records)
@@ -252,7 +253,7 @@ def rollout(run, records: list[dict], group_size: int, params: SamplingParams, f
         environments, observations = agent.start(records, group_size)
         column = run.config.prompt_column
         records = [{**r, column: extend_prompt(r[column], obs)} for r, obs in zip(records, observations)]
-        trace, messages = AgentTrace(environments, rows=len(records) * group_size), []
+        trace, messages = AgentTrace(environments, records, rows=len(records) * group_size), []
     parts = []
     for i, start in enumerate(range(0, len(records), chunk)):
         prompt_ids, prompt_mask = encode_prompts(run, records[start : start + chunk])

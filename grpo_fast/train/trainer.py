@@ -33,7 +33,7 @@ from grpo_fast.train.forward import completion_hidden, head_of, unwrap
 from grpo_fast.train.model import (attach_lora, autocast, check_context, check_head, context_length, frozen_copy,
                                    load_model_and_tokenizer, lr_scheduler, make_optimizer, resolve_device,
                                    resolve_dtype, saved_model_config, tokenizer_of)
-from grpo_fast.train.agentic import build_agent, environment_reward, warm_up
+from grpo_fast.train.agentic import build_agent, reward_sources, tool_schemas, warm_up
 from grpo_fast.train.rewards import load_reward, reward_metrics, reward_name, score, weighted_reward
 from grpo_fast.train.rollout import Rollout, SamplingParams, eos_token_ids, rollout
 from grpo_fast.train.sampling_correction import run_correction
@@ -92,8 +92,9 @@ def train_step(run: Run) -> dict:
     run.engine.sleep()  # vllm with sleep mode: its memory is the policy update's until the next generation
     token_metrics = plan_shared_prefix(run, ro)
     # advantages and reward metrics on the global batch (batch scaling needs it), identical on every rank
-    environments = ro.trace.environments if ro.trace is not None else None
-    rewards = dist_.gather_rows(score(run, records, completions, cfg.group_size, environments).to(run.device), world)
+    # with tools: the prompts as the environments' reset() extended them, and the environments themselves
+    scored, environments = (ro.trace.records, ro.trace.environments) if ro.trace is not None else (records, None)
+    rewards = dist_.gather_rows(score(run, scored, completions, cfg.group_size, environments).to(run.device), world)
     adv = group_advantages(rewards, group_size=cfg.group_size, scale=cfg.scale_rewards,
                            reward_weights=run.reward_weights.to(run.device))
     n_local = ro.completion_ids.shape[0]
@@ -377,10 +378,7 @@ def setup(config: TrainConfig) -> Run:
     )
     train_records, eval_records = [r for _, r in train_located], [r for _, r in eval_located]
     reward_funcs = [load_reward(name) for name in config.rewards]
-    weights = config.reward_weights or [1.0] * len(reward_funcs)  # TrainConfig checked the count
-    if agent is not None and agent.has_environment_reward:  # TRL's: the environment's reward, weight 1
-        reward_funcs.append(environment_reward(agent.environment_name))
-        weights = [*weights, 1.0]
+    reward_funcs, weights = reward_sources(reward_funcs, config.reward_weights or [1.0] * len(reward_funcs), agent)
     lr = config.lr or (TINY_LR if config.model == "tiny" else MODEL_LR)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(params, config, lr, device, model)
@@ -452,7 +450,8 @@ def check_dataset_prompts(config: TrainConfig, located: list[tuple[str, dict]], 
     """:func:`check_prompts` with the run's options; returns where the longest prompt is and its length."""
     return check_prompts(located, tokenizer, prompt_column=config.prompt_column,
                          max_prompt_length=config.max_prompt_length, system_prompt=config.system_prompt,
-                         count_tokens=len if config.model == "tiny" else None)  # its tokenizer: one token a character
+                         count_tokens=len if config.model == "tiny" else None,  # its tokenizer: a token a character
+                         tools=tool_schemas(config))  # rendered into every prompt, as the rollout does
 
 
 def shared_prefix_allowed(config: TrainConfig, models: list) -> bool:
