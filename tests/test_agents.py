@@ -354,38 +354,6 @@ def test_multi_turn_rollout_feeds_tool_tokens_and_masks_them(monkeypatch, max_it
     assert inner.stats.calls_per_row == ([2, 0, 1, 1] if max_iterations is None else [1, 0, 1, 1])
 
 
-def test_results_that_would_overflow_the_budget_end_the_row(monkeypatch):
-    tok = tiny_tokenizer("calc")
-    eos, call = tok.eos_token_id, tok.convert_tokens_to_ids("<call>")
-    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
-    model = tiny_model(tok, seed=0).eval()
-    enc = tok(["1*1="], return_tensors="pt", add_special_tokens=False)
-    script = ids("999*999") + [call, eos]  # 8 tokens, then "99800 " (the result cut to 5 tokens) would make 14 > 12
-    next_token, advance = _scripted_next_token([script])
-    monkeypatch.setattr(rollout_module, "_next_token", next_token)
-    agent = Agent([calc], None, tok, [eos], AgentOptions(max_tool_response_length=5))
-    turns = agent.turns([None], [enc.input_ids[0].tolist()], max_new_tokens=12, context=64)
-    original = turns.choose
-
-    def choose(token, logp):
-        token, logp, sampled = original(token, logp)
-        advance(sampled)
-        return token, logp, sampled
-
-    turns.choose = choose
-    try:
-        ro = generate(model, enc.input_ids, enc.attention_mask, 1, SamplingParams(12, 1.0), eos_token_id=[eos],
-                      pad_token_id=tok.pad_token_id, turns=turns)
-    finally:
-        agent.close()
-    n = int(ro.completion_mask[0].sum())
-    assert tok.decode(ro.completion_ids[0][:n], skip_special_tokens=False) == "999*999<call>"
-    assert turns.stats.dropped_results == 1 and ro.loss_mask[0][:n].all()
-    assert turns.stats.truncated_results == 0  # the cut result never reached the model: it is not counted
-    assert turns.messages[0] == [{"role": "assistant", "content": "999*999", "tool_calls": [
-        {"type": "function", "function": {"name": "calc", "arguments": {"expression": "999*999"}}}]}]
-
-
 def _scripted_turns(monkeypatch, agent, prompt: str, script: list[int], budget: int):
     """Generate one row of ``prompt`` along ``script`` with ``budget`` new tokens; returns (rollout, turns)."""
     tok = agent.tokenizer
@@ -405,6 +373,24 @@ def _scripted_turns(monkeypatch, agent, prompt: str, script: list[int], budget: 
     ro = generate(model, enc.input_ids, enc.attention_mask, 1, SamplingParams(budget, 1.0),
                   eos_token_id=agent.eos_ids, pad_token_id=tok.pad_token_id, turns=turns)
     return ro, turns
+
+
+def test_results_that_would_overflow_the_budget_end_the_row(monkeypatch):
+    tok = tiny_tokenizer("calc")
+    eos, call = tok.eos_token_id, tok.convert_tokens_to_ids("<call>")
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    script = ids("999*999") + [call, eos]  # 8 tokens, then "99800 " (the result cut to 5 tokens) would make 14 > 12
+    agent = Agent([calc], None, tok, [eos], AgentOptions(max_tool_response_length=5))
+    try:
+        ro, turns = _scripted_turns(monkeypatch, agent, "1*1=", script, 12)
+    finally:
+        agent.close()
+    n = int(ro.completion_mask[0].sum())
+    assert tok.decode(ro.completion_ids[0][:n], skip_special_tokens=False) == "999*999<call>"
+    assert turns.stats.dropped_results == 1 and ro.loss_mask[0][:n].all()
+    assert turns.stats.truncated_results == 0  # the cut result never reached the model: it is not counted
+    assert turns.messages[0] == [{"role": "assistant", "content": "999*999", "tool_calls": [
+        {"type": "function", "function": {"name": "calc", "arguments": {"expression": "999*999"}}}]}]
 
 
 def test_a_turn_cut_by_the_budget_is_the_rows_last_message(monkeypatch):
