@@ -147,7 +147,8 @@ NOT_MAPPED = {
     "dataset": "builtin tasks only: GRPOTrainer(train_dataset=...) of the same records",
     "eval_dataset": "both are scored by grpo-fast's evaluate on the task's held-out split",
     "prompt_column": f"{REFUSED}: TRL reads the 'prompt' column",
-    "system_prompt": f"{REFUSED}: GRPOConfig has no system prompt (the task's plain-text prompts reach both sides as they are)",
+    "system_prompt": f"{REFUSED}: GRPOConfig has no system prompt (the task's plain prompts reach both sides as they "
+                     "are)",
     "max_prompt_length": "grpo-fast's limit refuses longer prompts (never truncates); the task's prompts fit",
     "eval_size": "both are scored by grpo-fast's evaluate",
     "rewards": "GRPOTrainer(reward_funcs=...): the same functions (grpo_fast.train.rewards.load_reward)",

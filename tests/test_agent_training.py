@@ -263,3 +263,26 @@ def test_the_prompt_length_check_counts_the_tools_the_template_renders():
     with pytest.raises(ValueError, match=r"data\.jsonl, line 1: the prompt is \d+ tokens long once rendered, more "
                                          r"than TrainConfig\.max_prompt_length"):
         check_dataset_prompts(config, located, tok)
+
+
+def test_a_reset_string_extends_the_last_message_whatever_its_role():
+    """TRL's rule: appended to ``prompt[-1]``'s content (a new list; the record is left as it was)."""
+    from grpo_fast.train.agentic import extend_prompt
+
+    chat = [{"role": "user", "content": "Play."}, {"role": "assistant", "content": "Board:"}]
+    assert extend_prompt(chat, " X..") == [chat[0], {"role": "assistant", "content": "Board: X.."}]
+    assert chat[1]["content"] == "Board:"
+    assert extend_prompt([], "Hi") == [{"role": "user", "content": "Hi"}]
+    assert extend_prompt("2*3=", " ") == "2*3= " and extend_prompt(chat, None) is chat
+
+
+def test_no_reward_source_is_refused_before_the_model_loads(tmp_path):
+    (tmp_path / "desk.py").write_text(ENVIRONMENT + "\n\nclass Unscored(CalcDesk):\n    get_reward = None\n")
+    config = small_config(tmp_path, **{**CALC, "tools": "", "rewards": "none",
+                                       "environment": f"{tmp_path / 'desk.py'}:Unscored"})
+    with pytest.raises(ValueError, match=r"TrainConfig\.rewards: no reward source; .* environment Unscored without "
+                                         r"get_reward\(\)"):
+        train(config)
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="TrainConfig.rewards: none stands alone"):
+        TrainConfig(rewards=["math", "none"])

@@ -40,12 +40,12 @@ def add(a: int, b: int) -> int:
 
 
 def fails(x: str) -> str:
-    """Always raises.
+    """Always raises (a bare LookupError for "bare").
 
     Args:
         x: ignored.
     """
-    raise RuntimeError("the tool broke")
+    raise RuntimeError("the tool broke") if x != "bare" else LookupError()
 
 
 def sleeps(seconds: float) -> str:
@@ -118,6 +118,7 @@ def _run(runner, tools, calls):
     ([ToolCall("add", {"a": 2})], ["{'error': 'add: missing arguments b'}"], [True]),
     ([ToolCall("add", {"a": 2, "b": 3, "c": 4})], ["{'error': 'add: unknown arguments c'}"], [True]),
     ([ToolCall("fails", {"x": "1"})], ["{'error': 'the tool broke'}"], [True]),
+    ([ToolCall("fails", {"x": "bare"})], ["{'error': 'LookupError'}"], [True]),  # no message: its type
     ([ToolCall("add", {"a": "2", "b": 3})], None, [True]),  # TypeError inside the tool: its message
     ([ToolCall("async_add", {"a": 1, "b": 1}), ToolCall("add", {"a": 1, "b": 2})], ["2", "3"], [False, False]),
 ])
@@ -498,7 +499,8 @@ def test_chat_template_rollout_feeds_the_rendered_suffix(monkeypatch, parser):
 
         def parse_response(ids, prefix, **kwargs):
             parsed.append((list(ids), list(prefix)))
-            return original_parse(ids, prefix=prefix, **kwargs)
+            message = original_parse(ids, prefix=prefix, **kwargs)
+            return {**message, "content": "parsed:" + message.get("content", "")}  # the messages take the parse's
 
         tok.parse_response = parse_response
     eos = tok.eos_token_id
@@ -531,12 +533,13 @@ def test_chat_template_rollout_feeds_the_rendered_suffix(monkeypatch, parser):
     assert ro.completion_ids[0][:n].tolist() == first + suffix + ids("It is 5.<|im_end|>")
     assert ro.loss_mask[0][:n].tolist() == [1] * len(first) + [0] * len(suffix) + [1] * len(ids("It is 5.<|im_end|>"))
     assert tok.decode(ro.completion_ids[1][: int(ro.completion_mask[1].sum())]) == "No tools.<|im_end|>"
+    said = "parsed:" if parser == "response_template" else ""
     assert turns.messages[0] == [
-        {"role": "assistant", "content": "Sure.",
+        {"role": "assistant", "content": said + "Sure.",
          "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
         {"role": "tool", "name": "add", "content": "5"},
-        {"role": "assistant", "content": "It is 5."}]
-    assert turns.messages[1] == [{"role": "assistant", "content": "No tools."}]
+        {"role": "assistant", "content": said + "It is 5."}]
+    assert turns.messages[1] == [{"role": "assistant", "content": said + "No tools."}]
     if parser == "response_template":
         prompt_ids = enc.input_ids[0].tolist()
         assert (first, prompt_ids) in parsed  # the first turn, after the prompt

@@ -111,6 +111,7 @@ class ChatTemplateFormat:
         return self._suffix_for(results)
 
     def calls(self, turn_ids: Sequence[int], history_ids: Sequence[int]) -> list[ToolCall]:
+        self._parsed = None
         if self._parser == "response_template":
             try:
                 message = self._tokenizer.parse_response(list(turn_ids), prefix=list(history_ids),
@@ -136,24 +137,32 @@ class ChatTemplateFormat:
         return calls
 
     def messages(self, turn_ids: Sequence[int], calls: Sequence[ToolCall]) -> dict:
-        """The turn's text without its calls: the response template's parse of the content (TRL's message) where
-        the tokenizer has one (the parse :meth:`calls` made, with the history), else the text with the ``<tool_call>`` blocks cut out before the special tokens are
-        dropped (the tags are special tokens in many vocabularies: dropped first, they would leave the JSON)."""
-        content = None
+        """The turn's text without its calls: the content of the response template's parse where the tokenizer has
+        one (the parse :meth:`calls` made, with the history: TRL's message), else the text with the ``<tool_call>``
+        blocks cut out before the special tokens are dropped (the tags are special tokens in many vocabularies:
+        dropped first, they would leave the JSON)."""
         if self._parsed is not None and self._parsed[0] == tuple(turn_ids):  # calls() just parsed this turn
             content = self._parsed[1].get("content")
-            content = content if isinstance(content, str) else None
-        if content is None:
-            text = self._tokenizer.decode(list(turn_ids), skip_special_tokens=False)
-            if calls:
-                text = _HERMES.sub("", text)
-            for special in self._tokenizer.all_special_tokens:
+            content = content if isinstance(content, str) else ""  # TRL's message: no content, none
+        elif calls:
+            text = _HERMES.sub("", self._tokenizer.decode(list(turn_ids), skip_special_tokens=False))
+            for special in _special_tokens(self._tokenizer):
                 text = text.replace(special, "")
-            content = text.strip() if calls else text
-        message = {"role": "assistant", "content": content or ""}
+            content = text.strip()
+        else:
+            content = self._tokenizer.decode(list(turn_ids), skip_special_tokens=True)
+        message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = _tool_call_dicts(calls)
         return message
+
+
+def _special_tokens(tokenizer: Any) -> list[str]:
+    """Every special token's text, the added ones outside ``all_special_tokens`` included (Llama-3's
+    ``<|eom_id|>``), longest first."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    found = {t.content for t in added.values() if getattr(t, "special", False)} | set(tokenizer.all_special_tokens)
+    return sorted(found, key=len, reverse=True)
 
 
 def _arguments(function: dict) -> dict:

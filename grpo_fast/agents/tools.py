@@ -4,8 +4,8 @@ A **tool** is a typed Python function with a Google-style docstring (``Args:`` n
 schema (``transformers.utils.get_json_schema``) is what the chat template shows the model. An **environment** is a
 class (or any callable returning an instance) with ``reset(**record)`` and public methods, which are its tools; one
 instance serves one rollout row, so rows never share state. ``reset`` may return a string, appended to the prompt (to
-the content of a conversation's last message: TRL's rule), which the rewards then receive; an optional ``get_reward()`` scores the finished row (a reward source of weight 1,
-named after the class).
+the content of a conversation's last message: TRL's rule), which the rewards then receive; an optional
+``get_reward()`` scores the finished row (a reward source of weight 1, named after the class).
 
 A call's result reaches the model as ``str(result)``. A tool that raises, times out, is unknown or gets arguments it
 does not take answers ``{'error': '...'}`` instead: the row goes on, the step never crashes, and the failure is

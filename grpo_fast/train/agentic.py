@@ -80,12 +80,16 @@ def _tool_objects(config) -> tuple[list, Any]:
 
 def tool_schemas(config) -> list[dict] | None:
     """The tools' JSON schemas as the chat template shows them in every prompt (an environment's methods included,
-    from one instance), for the pre-flight prompt-length check; None for a run without tools."""
+    from one instance), for the pre-flight prompt-length check; None for a run without tools. Refuses, before the
+    model loads, a run whose only reward would be an environment without ``get_reward()``."""
     if not config.tools and not config.environment:
         return None
     tools, factory = _tool_objects(config)
+    environment = None if factory is None else factory()
+    if not config.rewards and not callable(getattr(type(environment), "get_reward", None)):
+        raise ValueError(_NO_REWARD.format(type(environment).__name__))
     try:
-        return tool_set([as_tool(fn, "tools") for fn in tools], None if factory is None else factory()).schemas
+        return tool_set([as_tool(fn, "tools") for fn in tools], environment).schemas
     except ValueError as e:
         raise ValueError(f"TrainConfig.{'tools' if config.tools else 'environment'}: {e}") from None
 
@@ -156,11 +160,12 @@ def reward_sources(reward_funcs: list, weights: list[float], agent: Agent | None
         reward_funcs.append(environment_reward(agent.environment_name))
         weights.append(1.0)
     if not reward_funcs:
-        env = agent.environment_name if agent is not None else None
-        raise ValueError("TrainConfig.rewards: no reward source; name a reward function, or give an environment "
-                         f"with a get_reward() method (TRL's rule), got rewards=none and environment {env} "
-                         "without get_reward()")
+        raise ValueError(_NO_REWARD.format(agent.environment_name if agent is not None else None))
     return reward_funcs, weights
+
+
+_NO_REWARD = ("TrainConfig.rewards: no reward source; name a reward function, or give an environment with a "
+              "get_reward() method (TRL's rule), got rewards=none and environment {} without get_reward()")
 
 
 def environment_reward(name: str):

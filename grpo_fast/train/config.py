@@ -318,7 +318,10 @@ class TrainConfig:
         if self.merge_lora and not self.lora_r:
             raise ValueError("TrainConfig.merge_lora needs a LoRA run (lora_r > 0): a full fine-tune writes full "
                              "weights already; got lora_r=0")
-        if self.rewards == ["none"]:
+        if "none" in self.rewards:
+            if self.rewards != ["none"]:
+                raise ValueError(f"TrainConfig.rewards: none stands alone (the environment's get_reward() as the "
+                                 f"only reward), got {self.rewards}")
             self.rewards = []  # the environment's reward alone (checked where the environment is loaded)
         if not self.rewards and not self.environment:
             raise ValueError("TrainConfig.rewards must name at least one reward function (or none with an environment "

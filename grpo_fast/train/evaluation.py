@@ -133,11 +133,15 @@ class EvalOptions:
         if not self.rewards:
             raise ValueError("--rewards: expected at least one reward function (or none with an --environment whose "
                              "get_reward() scores the rows), got none")
+        if "none" in self.rewards and self.rewards != ["none"]:
+            raise ValueError(f"--rewards: none stands alone (the --environment's get_reward() as the only reward), "
+                             f"got {','.join(self.rewards)}")
         if self.rewards == ["none"] and not self.environment:
             raise ValueError("--rewards none leaves the environment's get_reward() as the only reward: pass "
                              "--environment, got none")
-        if self.reward_weights and len(self.reward_weights) != len([r for r in self.rewards if r != "none"]):
-            raise ValueError(f"--reward-weights: expected one weight per reward ({len(self.rewards)}), got "
+        functions = [r for r in self.rewards if r != "none"]
+        if self.reward_weights and len(self.reward_weights) != len(functions):
+            raise ValueError(f"--reward-weights: expected one weight per reward function ({len(functions)}), got "
                              f"{len(self.reward_weights)}")
         model = Path(self.model)
         if not model.is_dir() or not ((model / "config.json").is_file() or (model / ADAPTER_CONFIG).is_file()):
@@ -217,7 +221,7 @@ def _evaluate(options: EvalOptions) -> dict:
     from grpo_fast.train.distributed import PolicyForward
     from grpo_fast.train.model import resolve_dtype
     from grpo_fast.train.rewards import load_reward
-    from grpo_fast.train.agentic import build_agent, reward_sources
+    from grpo_fast.train.agentic import build_agent, reward_sources, tool_schemas
     from grpo_fast.train.model import context_length
     from grpo_fast.train.rollout import SamplingParams, eos_token_ids
     from grpo_fast.train.trainer import Run, load_datasets
@@ -245,6 +249,12 @@ def _evaluate(options: EvalOptions) -> dict:
     _, records = load_datasets(config)
     if not records:
         raise ValueError(f"--dataset: {options.dataset} has no prompts")
+    try:
+        tool_schemas(config)  # the tools, the environment and a reward source to score with, before the model
+    except ValueError as e:
+        if not str(e).startswith("TrainConfig.rewards: "):
+            raise
+        raise ValueError(f"--rewards: {str(e).removeprefix('TrainConfig.rewards: ')}") from None
     torch.manual_seed(options.seed)
     model, tokenizer = load_saved_model(model_dir, config, options.base_model)
     device = next(model.parameters()).device
@@ -270,8 +280,10 @@ def _evaluate(options: EvalOptions) -> dict:
     passed = (per_prompt >= options.pass_threshold).any(dim=1)  # an unscored completion passes nothing
     k = options.samples
     return {
-        "model": str(model_dir), "dataset": options.dataset, "rewards": list(options.rewards),
-        "reward_weights": list(options.reward_weights) or [1.0] * len(options.rewards), "prompts": len(records),
+        # the sources scored: the functions named as given, then the environment's (named after its class)
+        "model": str(model_dir), "dataset": options.dataset,
+        "rewards": list(config.rewards) + [f.__name__ for f in reward_funcs[len(config.rewards):]],
+        "reward_weights": weights, "prompts": len(records),
         "samples": k, "decoding": "greedy" if temperature == 0 else "sampled", "temperature": temperature,
         "top_p": options.top_p, "max_new_tokens": max_new_tokens, "seed": options.seed,
         "pass_threshold": options.pass_threshold,
