@@ -33,8 +33,8 @@ three ``2 N V H``-FLOP matmuls in all, like the unfused lm_head forward and back
 Limits. Rows whose upstream gradients (log-prob and entropy) are both exactly zero cost no backward matmul work, but
 for the logits of a token block that also holds live rows (recomputed whole, so they match the forward's bit for bit);
 a block with no live row, or a fully zero upstream gradient, is skipped. No double backward. Host-side Python loops
-over cache-sized tiles: meant for CPU, not as the GPU path (``grpo_fast.kernels.linear_logprobs``: the same mathematics, as cuBLAS GEMMs over
-vocabulary chunks and two memory-bound kernels).
+over cache-sized tiles: meant for CPU, not as the GPU path (``grpo_fast.kernels.linear_logprobs``: the same
+mathematics, as cuBLAS GEMMs over vocabulary chunks and two memory-bound kernels).
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ class ChatTemplateFormat:
         self._parser = "response_template" if getattr(tokenizer, "response_template", None) else "hermes"
         self._suffix_cache: dict[tuple[str, ...], list[int]] = {}
         self._parsed: tuple[tuple[int, ...], dict] | None = None  # the last turn parse_response read, and its parse
+        self._specials = _special_tokens(tokenizer)  # cut from a turn's text with calls (messages())
         self._check_template()
 
     def _render(self, messages: list[dict], generation_prompt: bool, tokenize: bool = True) -> list[int] | str:
@@ -146,7 +147,7 @@ class ChatTemplateFormat:
             content = content if isinstance(content, str) else ""  # TRL's message: no content, none
         elif calls:
             text = _HERMES.sub("", self._tokenizer.decode(list(turn_ids), skip_special_tokens=False))
-            for special in _special_tokens(self._tokenizer):
+            for special in self._specials:
                 text = text.replace(special, "")
             content = text.strip()
         else:

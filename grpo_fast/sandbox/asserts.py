@@ -527,7 +527,11 @@ class _Evaluator:
         self._steps += 1
         if self._steps > _MAX_STEPS:
             raise _Failed(f"the check took more than {_MAX_STEPS} steps")
-        if self._deadline is not None and self._steps % _CLOCK_STEPS == 1 and time.monotonic() > self._deadline:
+        if self._steps % _CLOCK_STEPS == 1:
+            self._check_clock()
+
+    def _check_clock(self) -> None:
+        if self._deadline is not None and time.monotonic() > self._deadline:
             raise _Failed("judging the run's tests took longer than its time limit")
 
     def evaluate(self, node: ast.expr, env: dict[str, Any]) -> Any:
@@ -678,8 +682,8 @@ class _Evaluator:
             if size > _MAX_CHARS:
                 raise _Failed(f"a join of more than {_MAX_CHARS} characters")
             drawn.append(piece)
-            if len(drawn) % _CLOCK_STEPS == 0 and self._deadline is not None and time.monotonic() > self._deadline:
-                raise _Failed("judging the run's tests took longer than its time limit")
+            if len(drawn) % _CLOCK_STEPS == 0:
+                self._check_clock()
         return drawn
 
     def _lambda(self, params: list[str], body: ast.expr, env: dict[str, Any]) -> Callable:

@@ -259,11 +259,8 @@ def _evaluate(options: EvalOptions) -> dict:
     model, tokenizer = load_saved_model(model_dir, config, options.base_model)
     device = next(model.parameters()).device
     agent = build_agent(config, tokenizer, eos_token_ids(model, tokenizer))
-    try:  # as in training: the environment's reward, weight 1
-        reward_funcs, weights = reward_sources(reward_funcs, options.reward_weights or [1.0] * len(reward_funcs),
-                                               agent)
-    except ValueError as e:
-        raise ValueError(f"--rewards: {str(e).removeprefix('TrainConfig.rewards: ')}") from None
+    # as in training: the environment's reward, weight 1 (a run without any reward source was refused above)
+    reward_funcs, weights = reward_sources(reward_funcs, options.reward_weights or [1.0] * len(reward_funcs), agent)
     run = Run(config=config, model=model, ref_model=None, tokenizer=tokenizer, optimizer=None, scheduler=None,
               sampler=None, reward_funcs=reward_funcs, reward_weights=torch.tensor(weights),
               loss_config=None, eval_records=records, device=device, dtype=resolve_dtype(options.dtype, device),
