@@ -306,3 +306,225 @@ def group_advantages_reference(
     adv = torch.nan_to_num(adv, nan=0.0)
     adv = adv.masked_fill(zero_std, 0.0)  # exact zeros, not (r - mean) rounding noise over eps
     return AdvantageOutput(adv, group_mean, group_std, zero_std)
+
+
+# ---------------------------------------------------------------------------------------------- verl 0.9.1's losses
+# A line-by-line transcription of verl 0.9.1 (verl/trainer/ppo/core_algos.py: agg_loss and the POLICY_LOSS_REGISTRY
+# functions; verl/utils/torch_functional.py: masked_sum, masked_mean), plain autograd, without importing verl.
+# ``params`` is any object with grpo_fast.verl_losses.VerlLossParams's fields (None: the default verl falls back to).
+# grpo_fast.verl_losses computes the same values in one pass, and reuses the three helpers below for the scalars.
+
+def verl_masked_sum(values, mask, axis=None):
+    """verl ``masked_sum``: ``(where(mask, values, 0) * mask).sum(axis)``."""
+    return (torch.where(mask.bool(), values, 0.0) * mask).sum(axis=axis)
+
+
+def verl_masked_mean(values, mask, axis=None):
+    """verl ``masked_mean``: ``masked_sum / (mask.sum() + 1e-8)`` (0 where nothing is masked in)."""
+    return verl_masked_sum(values, mask, axis) / (mask.sum(axis=axis) + 1e-8)
+
+
+def verl_agg_loss(loss_mat, loss_mask, loss_agg_mode, dp_size=1, batch_num_tokens=None, global_batch_size=None,
+                  loss_scale_factor=None):
+    """verl ``agg_loss`` (``loss_mat``, ``loss_mask``: ``[B, T]``) -> a scalar."""
+    if loss_agg_mode == "token-mean":
+        if batch_num_tokens is None:
+            if dp_size > 1:
+                raise ValueError("(global) batch_num_tokens is required when dp_size > 1")
+            batch_num_tokens = loss_mask.sum()
+        return verl_masked_sum(loss_mat, loss_mask) / batch_num_tokens * dp_size
+    if loss_agg_mode == "token-sum":
+        return verl_masked_sum(loss_mat, loss_mask) * dp_size
+    if loss_agg_mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1)
+        seq_mask = (torch.sum(loss_mask, dim=-1) > 0).float()
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
+            global_batch_size = seq_mask.sum()
+        loss = verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+        if loss_agg_mode == "seq-mean-token-sum-norm":
+            loss = loss / (loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+        return loss
+    if loss_agg_mode == "seq-mean-token-mean":
+        seq_mask = torch.sum(loss_mask, dim=-1)
+        seq_losses = torch.sum(loss_mat * loss_mask, dim=-1) / (seq_mask + 1e-8)
+        seq_mask = (seq_mask > 0).float()
+        if global_batch_size is None:
+            if dp_size > 1:
+                raise ValueError("global_batch_size is required when dp_size > 1")
+            global_batch_size = seq_mask.sum()
+        return verl_masked_sum(seq_losses, seq_mask) / global_batch_size * dp_size
+    raise ValueError(f"Invalid loss_agg_mode: {loss_agg_mode}")
+
+
+def _verl_clip_range(p):
+    low = p.clip_ratio_low if p.clip_ratio_low is not None else p.clip_ratio
+    high = p.clip_ratio_high if p.clip_ratio_high is not None else p.clip_ratio
+    return low, high
+
+
+def _verl_ref_vanilla(old, logp, adv, mask, p, name):
+    low, high = _verl_clip_range(p)
+    nkl = torch.clamp(logp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(nkl)
+    ppo_kl = verl_masked_mean(-nkl, mask)
+    if name in ("dppo_tv", "dppo_kl"):  # binary TV / KL trust region, truncated IS (default cap 20, not 3)
+        c = p.clip_ratio_c if p.clip_ratio_c is not None else 20.0
+        truncated = torch.clamp(ratio, max=c).detach()
+        prob, old_prob = torch.exp(logp), torch.exp(old)
+        if name == "dppo_tv":
+            pos, neg = (prob - old_prob) <= high, (prob - old_prob) >= -low
+        else:
+            binary_kl = old_prob * (old - logp) + (1 - old_prob) * torch.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            pos = (binary_kl <= high) | (prob <= old_prob)
+            neg = (binary_kl <= low) | (prob >= old_prob)
+        valid = torch.where(adv > 0, pos, neg).detach().float()
+        losses = -adv * truncated * logp * valid
+        return losses, {"actor/pg_clipfrac": verl_masked_mean((1.0 - valid).float(), mask), "actor/ppo_kl": ppo_kl,
+                        "actor/pg_clipfrac_lower": verl_masked_mean((ratio > c).float() * valid, mask)}
+    if name == "cispo":
+        clipped = torch.clamp(ratio, 1 - low, 1 + high)
+        losses = -clipped.detach() * adv * logp
+        return losses, {"actor/pg_clipfrac": verl_masked_mean((ratio != clipped).float(), mask), "actor/ppo_kl": ppo_kl,
+                        "actor/pg_clipfrac_lower": torch.tensor(0.0)}
+    if name == "sapo":
+        tau_pos = torch.as_tensor(1.0 if p.tau_pos is None else p.tau_pos, dtype=adv.dtype, device=adv.device)
+        tau_neg = torch.as_tensor(1.05 if p.tau_neg is None else p.tau_neg, dtype=adv.dtype, device=adv.device)
+        taus = torch.where(adv > 0, tau_pos, tau_neg)
+        losses = -(torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)) * adv
+        return losses, {"actor/pg_clipfrac": torch.tensor(0.0), "actor/ppo_kl": ppo_kl,
+                        "actor/pg_clipfrac_lower": torch.tensor(0.0)}
+    c = p.clip_ratio_c if p.clip_ratio_c is not None else 3.0
+    losses1 = -adv * ratio
+    losses2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    clip1 = torch.maximum(losses1, losses2)
+    clipfrac = verl_masked_mean(torch.gt(losses2, losses1).float(), mask)
+    losses3 = -adv * c
+    clip2 = torch.min(losses3, clip1)
+    lower = verl_masked_mean(torch.gt(clip1, losses3) * (adv < 0).float(), mask)
+    losses = torch.where(adv < 0, clip2, clip1)
+    return losses, {"actor/pg_clipfrac": clipfrac, "actor/ppo_kl": ppo_kl, "actor/pg_clipfrac_lower": lower}
+
+
+def _verl_ref_gspo(old, logp, adv, mask, p):
+    low, high = _verl_clip_range(p)
+    nkl = logp - old
+    seq_lengths = torch.sum(mask, dim=-1).clamp(min=1)
+    nkl_seq = torch.sum(nkl * mask, dim=-1) / seq_lengths
+    log_ratio = torch.clamp(logp - logp.detach() + nkl_seq.detach().unsqueeze(-1), max=10.0)
+    ratio = torch.exp(log_ratio)
+    losses1 = -adv * ratio
+    losses2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    losses = torch.maximum(losses1, losses2)
+    return losses, {"actor/pg_clipfrac": verl_masked_mean(torch.gt(losses2, losses1).float(), mask),
+                    "actor/ppo_kl": verl_masked_mean(-nkl, mask), "actor/pg_clipfrac_lower": torch.tensor(0.0)}
+
+
+def _verl_ref_clip_cov(old, logp, adv, mask, p):
+    low, high = _verl_clip_range(p)
+    ratio_k = 0.0002 if p.clip_cov_ratio is None else p.clip_cov_ratio
+    ub = 5.0 if p.clip_cov_ub is None else p.clip_cov_ub
+    lb = 1.0 if p.clip_cov_lb is None else p.clip_cov_lb
+    nkl = logp - old
+    ratio = torch.exp(nkl)
+    ppo_kl = verl_masked_mean(-nkl, mask)
+    losses1 = -adv * ratio
+    corr = torch.ones_like(adv)
+    losses2 = -adv * torch.clamp(ratio, 1 - low, 1 + high)
+    clip_by_origin = (losses2 > losses1) & (mask > 0)
+    cov_all = (adv - verl_masked_mean(adv, mask)) * (logp - verl_masked_mean(logp.detach(), mask))
+    cov_all[mask == 0] = -torch.inf
+    cov_all[clip_by_origin] = -torch.inf
+    clip_num = max(int(ratio_k * mask.sum().item()), 1)
+    top_k_idx = torch.nonzero((cov_all < ub) & (cov_all > lb) & (mask > 0))
+    if len(top_k_idx) > 0:
+        perm = torch.randperm(len(top_k_idx))  # verl draws from the global CPU generator
+        top_k_idx = top_k_idx[perm[: min(clip_num, len(top_k_idx))]]
+    else:
+        top_k_idx = torch.empty((0, 2), device=cov_all.device, dtype=torch.long)
+    corr[top_k_idx[:, 0], top_k_idx[:, 1]] = 0
+    losses = torch.maximum(losses1, losses2) * corr
+    return losses, {"actor/pg_clipfrac": verl_masked_mean((corr == 0).float(), mask), "actor/ppo_kl": ppo_kl}
+
+
+def _verl_ref_kl_cov(old, logp, adv, mask, p):
+    ratio_k = 0.0002 if p.kl_cov_ratio is None else p.kl_cov_ratio
+    coef = 1.0 if p.ppo_kl_coef is None else p.ppo_kl_coef
+    nkl = logp - old
+    abs_kl = nkl.abs()
+    ratio = torch.exp(nkl)
+    ppo_kl_abs = verl_masked_mean(nkl.abs(), mask)
+    losses = -adv * ratio
+    losses_kl = -adv * ratio + coef * abs_kl
+    all_valid = mask > 0
+    all_valid_idx = torch.nonzero(all_valid.reshape(-1), as_tuple=True)[0]
+    valid_adv = adv[all_valid].detach().reshape(-1).cpu()
+    valid_logp = logp[all_valid].detach().reshape(-1).cpu()
+    if min(ratio_k, len(valid_adv)) != 0:
+        cov = (valid_adv - valid_adv.mean()) * (valid_logp - valid_logp.mean())
+        idx = torch.topk(cov, max(1, int(len(cov) * ratio_k)), largest=True).indices
+        if len(idx) != 0:
+            idx = all_valid_idx[idx]
+            T = adv.shape[1]
+            losses[idx // T, idx % T] = losses_kl[idx // T, idx % T]
+    return losses, {"actor/ppo_kl": ppo_kl_abs}
+
+
+def _verl_ref_geo_mean(old, logp, adv, mask, p, weights):
+    low, high = _verl_clip_range(p)
+    nkl = logp - old
+    ppo_kl = verl_masked_mean(-nkl, mask)
+    sgn = torch.sign(adv)
+    nkl_clamp = torch.clamp(nkl, -low, high)
+    nkl_min = sgn * torch.min(sgn * nkl, sgn * nkl_clamp)
+    mask_sum = mask.sum(dim=-1)
+    ratio = torch.exp((nkl_min * mask).sum(dim=-1) / (mask_sum + 1e-8))
+    advantage = (adv * mask).sum(dim=-1) / (mask_sum + 1e-8)
+    losses = -advantage * ratio
+    if weights is not None:
+        losses = losses * torch.exp((torch.log(weights + 1e-10) * mask).sum(dim=-1) / (mask_sum + 1e-8))
+    clipped = torch.ne(nkl, nkl_clamp)
+    return torch.mean(losses), {
+        "actor/pg_clipfrac": verl_masked_mean((clipped * (adv > 0)).float(), mask), "actor/ppo_kl": ppo_kl,
+        "actor/pg_clipfrac_lower": verl_masked_mean((clipped * (adv < 0)).float(), mask)}
+
+
+def verl_policy_loss_reference(name, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, params,
+                               rollout_is_weights=None, global_batch_info=None):
+    """verl 0.9.1's ``POLICY_LOSS_REGISTRY[name](old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
+    config, rollout_is_weights)`` with ``config``'s fields from ``params`` and ``config.global_batch_info`` =
+    ``global_batch_info``: ``(loss, metrics)``, the loss differentiable w.r.t. ``log_prob``, the metrics floats.
+
+    All tensors ``[B, T]`` (``rollout_is_weights`` also ``[B, 1]``); run in float64 for the oracle.
+    """
+    old, logp, adv, mask = old_log_prob, log_prob, advantages, response_mask
+    info = dict(global_batch_info or {})
+    if name == "geo_mean":  # a mean over sequences of its own: loss_agg_mode and global_batch_info are unused
+        loss, metrics = _verl_ref_geo_mean(old, logp, adv, mask, params, rollout_is_weights)
+        return loss, {k: v.detach().item() for k, v in metrics.items()}
+    if name == "dro":
+        beta = params.dro_beta
+        if beta is None or beta <= 0:
+            raise ValueError("policy_loss.dro_beta must be a positive value when using DRO")
+        log_ratio = logp - old
+        losses = -(logp * adv - 0.5 * beta * log_ratio.square())
+        metrics = {"actor/ppo_kl": verl_masked_mean(-log_ratio, mask)}
+    elif name == "gpg":
+        losses, metrics = -logp * adv, {}
+    elif name == "gspo":
+        losses, metrics = _verl_ref_gspo(old, logp, adv, mask, params)
+    elif name == "clip_cov":
+        losses, metrics = _verl_ref_clip_cov(old, logp, adv, mask, params)
+    elif name == "kl_cov":
+        losses, metrics = _verl_ref_kl_cov(old, logp, adv, mask, params)
+    elif name in ("vanilla", "dppo_tv", "dppo_kl", "cispo", "sapo"):
+        losses, metrics = _verl_ref_vanilla(old, logp, adv, mask, params, name)
+    else:
+        raise ValueError(f"verl_policy_loss_reference: no verl policy loss {name!r}")
+    if rollout_is_weights is not None:
+        losses = losses * rollout_is_weights
+    mode = "seq-mean-token-mean" if name == "sapo" else loss_agg_mode  # sapo ignores loss_agg_mode
+    loss = verl_agg_loss(losses, mask, mode, **info)
+    return loss, {k: v.detach().item() for k, v in metrics.items()}

@@ -4,10 +4,12 @@
                                    # GRPO_FAST_LOCK=none), then what it holds (pip freeze --all)
     python scripts/lock.py cuda    # locks/cuda.txt: what pip resolves for a CUDA Linux machine from the same ranges
                                    # (pip install --dry-run --report, torch from PyPI); resolved, not installed here
+    python scripts/lock.py verl    # locks/verl-cpu.txt: the verl venv (scripts/setup_verl.sh with
+                                   # GRPO_FAST_VERL_LOCK=none) on a CPU machine, then what it holds
     python scripts/lock.py check [--venv .venv] [--lock locks/cpu.txt]
                                    # does the venv hold exactly the lock? (setup.sh runs it last)
 
-A refresh is these two commands and a run of the suite on the new lock (bash scripts/setup.sh, which installs from
+A refresh is these commands and a run of the suite on the new lock (bash scripts/setup.sh, which installs from
 it, then the README's test command); commit the locks with the date they carry. Only the standard library here: the
 script runs before any venv exists.
 """
@@ -76,12 +78,14 @@ def freeze(python: str | Path) -> dict[str, str]:
 
 
 def write_lock(path: Path, platform_line: str, how: str, pins: dict[str, str], removed: set[str] = frozenset(),
-               notes: tuple[str, ...] = ()):
+               notes: tuple[str, ...] = (), script: str = "scripts/setup.sh",
+               refresh: str = "python scripts/lock.py cpu && python scripts/lock.py cuda"):
     header = [
-        f"# grpo-fast's lock for {platform_line}: every package scripts/setup.sh installs there, at its exact version.",
+        f"# grpo-fast's lock for {platform_line}: every package {script} installs there, at its exact version.",
         f"# Made {datetime.date.today().isoformat()} with Python {platform.python_version()} by: {how}",
-        "# Refresh: python scripts/lock.py cpu && python scripts/lock.py cuda (scripts/lock.py's docstring).",
-        "# setup.sh installs with pip's -c (constraints): pyproject's ranges choose what, this file which version.",
+        f"# Refresh: {refresh} (scripts/lock.py's docstring).",
+        f"# {script.rsplit('/', 1)[-1]} installs with pip's -c (constraints): pyproject's ranges choose what, this "
+        "file which version.",
         *(f"# {note}" for note in notes),
     ]
     body = [f"{name}=={pins[name]}" + (f"  {REMOVED}" if name in removed else "") for name in sorted(pins)]
@@ -97,7 +101,7 @@ def lock_cpu() -> None:
     try:
         before = scratch / "before-cleanup.txt"
         env = {**os.environ, "VENV": str(scratch / "venv"), "GRPO_FAST_LOCK": "none",
-               "GRPO_FAST_FREEZE": str(before)}
+               "GRPO_FAST_FREEZE": str(before), "GRPO_FAST_VERL": "0"}
         subprocess.run(["bash", str(ROOT / "scripts" / "setup.sh")], check=True, env=env)
         after = freeze(scratch / "venv" / "bin" / "python")
         installed = {k: v for k, v in parse_pins(before.read_text().splitlines()).items() if k != PROJECT}
@@ -107,6 +111,22 @@ def lock_cpu() -> None:
                    notes=(f"torch=={pins.get('torch')} is PyTorch's CPU build, not on PyPI: pip takes it from the "
                           "machine's own wheels (this project's machines) or from PyTorch's CPU wheel index "
                           "(PIP_EXTRA_INDEX_URL).",))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def lock_verl() -> None:
+    """Sets up a scratch verl venv with setup_verl.sh from pyproject's ranges (its ``verl`` and ``test`` extras), then
+    locks what it holds."""
+    scratch = Path(tempfile.mkdtemp(prefix="grpo_fast_lock_"))
+    try:
+        env = {**os.environ, "VERL_VENV": str(scratch / "venv"), "GRPO_FAST_VERL_LOCK": "none"}
+        subprocess.run(["bash", str(ROOT / "scripts" / "setup_verl.sh")], check=True, env=env)
+        pins = freeze(scratch / "venv" / "bin" / "python")
+        write_lock(LOCKS / "verl-cpu.txt", "the verl venv on CPU machines (Linux x86-64, no NVIDIA driver)",
+                   "python scripts/lock.py verl", pins, script="scripts/setup_verl.sh",
+                   refresh="python scripts/lock.py verl",
+                   notes=(f"torch=={pins.get('torch')} is PyTorch's CPU build, as in cpu.txt.",))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -161,6 +181,7 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("cpu", help="lock the CPU environment (builds a scratch venv; a few minutes)")
     sub.add_parser("cuda", help="lock the CUDA environment (pip's resolution; about a minute)")
+    sub.add_parser("verl", help="lock the verl venv on CPU (builds a scratch venv; several minutes)")
     c = sub.add_parser("check", help="does a venv hold exactly a lock?")
     c.add_argument("--venv", type=Path, default=ROOT / ".venv")
     c.add_argument("--lock", type=Path, default=LOCKS / "cpu.txt")
@@ -169,6 +190,8 @@ def main(argv=None) -> int:
         lock_cpu()
     elif args.command == "cuda":
         lock_cuda()
+    elif args.command == "verl":
+        lock_verl()
     else:
         return check(args.venv.resolve(), args.lock.resolve())
     return 0

