@@ -48,7 +48,7 @@ fi
 if [ "$LOCK" != none ]; then
   "$VENV/bin/python" scripts/lock.py check --venv "$VENV" --lock "$LOCK"
 fi
-# verl's venv (tests/verl/, run by tests/test_verl.py): where its lock was made, CPU Linux x86-64
+# verl's venv (tests/in_verl/, run by tests/test_verl.py): where its lock was made, CPU Linux x86-64
 if [ "$PLATFORM" = cpu ] && [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ] && [ "${GRPO_FAST_VERL:-1}" != 0 ]; then
   bash scripts/setup_verl.sh
 fi

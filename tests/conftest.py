@@ -11,8 +11,8 @@ import importlib.util  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-# tests/verl/ runs in verl's own venv (.venv-verl; tests/test_verl.py starts it there from the main suite)
-collect_ignore = [] if importlib.util.find_spec("verl") else ["verl"]
+# tests/in_verl/ runs in verl's own venv (.venv-verl; tests/test_verl.py starts it there from the main suite)
+collect_ignore = [] if importlib.util.find_spec("verl") else ["in_verl"]
 
 # Tests check values, never speed: one intra-op thread keeps small-tensor runs fast and steady on a 2-core machine
 # (two threads that do not each get a core stall waiting for each other).

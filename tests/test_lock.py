@@ -86,7 +86,7 @@ def _requirements() -> list[str]:
 def test_pyproject_lower_bounds_are_locked_versions():
     """Every lower bound in pyproject is the oldest version a lock holds: the CPU lock's (the suite passes on it),
     the CUDA lock's where the CUDA build of torch pins an older one (triton), the verl venv's where verl pins an older
-    one (transformers: tests/verl/ passes on it); and every lock satisfies every range."""
+    one (transformers: tests/in_verl/ passes on it); and every lock satisfies every range."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 

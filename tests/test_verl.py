@@ -1,4 +1,4 @@
-"""The verl drop-in's suite (tests/verl/), run in verl's own venv: verl 0.9.1 needs transformers < 5.11 and cannot
+"""The verl drop-in's suite (tests/in_verl/), run in verl's own venv: verl 0.9.1 needs transformers < 5.11 and cannot
 share .venv (scripts/setup_verl.sh, which scripts/setup.sh runs on CPU Linux x86-64 machines)."""
 
 from __future__ import annotations
@@ -26,13 +26,14 @@ def test_the_verl_suite_passes_in_the_verl_venv(tmp_path):
                         "scripts/setup_verl.sh makes it alone)")
         pytest.skip(f"no verl venv ({VERL_PYTHON}): bash scripts/setup_verl.sh makes one")
     report = tmp_path / "verl.xml"
-    proc = subprocess.run([str(VERL_PYTHON), "-m", "pytest", "tests/verl", "-q", "-p", "no:cacheprovider",
+    proc = subprocess.run([str(VERL_PYTHON), "-m", "pytest", "tests/in_verl", "-q", "-p", "no:cacheprovider",
                            f"--junitxml={report}"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     tail = (proc.stdout + proc.stderr)[-6000:]
-    assert report.exists(), f"tests/verl did not run (rc {proc.returncode}):\n{tail}"
+    assert report.exists(), f"tests/in_verl did not run (rc {proc.returncode}):\n{tail}"
     cases = ET.parse(report).getroot().iter("testcase")
-    outcome = {f"{c.get('classname')}::{c.get('name')}": next((x.tag for x in c if x.tag in ("failure", "error", "skipped")),
-                                                                      "passed") for c in cases}
+    bad_tags = ("failure", "error", "skipped")
+    outcome = {f"{c.get('classname')}::{c.get('name')}": next((x.tag for x in c if x.tag in bad_tags), "passed")
+               for c in cases}
     bad = {name: what for name, what in outcome.items() if what != "passed"}
-    assert not bad, f"tests/verl: {len(bad)} of {len(outcome)} did not pass (none may skip): {bad}\n{tail}"
-    assert proc.returncode == 0 and len(outcome) >= 20, tail
+    assert not bad, f"tests/in_verl: {len(bad)} of {len(outcome)} did not pass (none may skip): {bad}\n{tail}"
+    assert proc.returncode == 0 and len(outcome) >= 300, tail  # the suite ran whole (it has more than 300 cases)

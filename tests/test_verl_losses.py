@@ -1,6 +1,6 @@
 """grpo_fast.verl_losses: verl 0.9.1's policy losses on the one-pass loss path against the float64 transcription of
 verl (grpo_fast.reference.verl_policy_loss_reference), by the reference rule. verl itself is compared in
-tests/verl/test_verl_losses_parity.py (verl's venv)."""
+tests/in_verl/test_verl_losses_parity.py (verl's venv)."""
 
 from __future__ import annotations
 

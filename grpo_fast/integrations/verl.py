@@ -27,6 +27,8 @@ import os
 
 import torch
 
+from grpo_fast.integrations import heads
+
 BACKEND = "grpo_fast"
 IMPL_ENV = "GRPO_FAST_VERL_IMPL"  # fused_logprobs' impl: auto (default), triton or torch; read in each process
 LOSS_PREFIX = "grpo_fast."
@@ -105,16 +107,21 @@ def _impl() -> str:
 
 
 def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, temperature: float,
-                   softcap: float | None):
-    """``(log_probs, entropy)`` of ``labels`` under ``head(hidden)``; a method of the lm_head, so FSDP2 gathers an
-    lm_head it shards as its own unit around the call (``register_fsdp_forward_method``) and reshards it after."""
+                   text_config):
+    """``(log_probs, entropy)`` of ``labels`` under the model's logits ``head(hidden)`` (its logit scale and softcap
+    applied as its forward applies them, then the temperature); a method of the lm_head, so FSDP2 gathers an lm_head
+    it shards as its own unit around the call (``register_fsdp_forward_method``) and reshards it after."""
     from grpo_fast import fused_logprobs
 
-    weight = head.weight
+    weight, bias = head.weight, getattr(head, "bias", None)
     if hidden.dtype != weight.dtype:  # verl's mixed precision may leave the last norm's output in float32
         hidden = hidden.to(weight.dtype)
-    return fused_logprobs(hidden, weight, labels.to(torch.int64), bias=getattr(head, "bias", None),
-                          temperature=float(temperature), softcap=softcap, return_entropy=True, impl=_impl())
+    scale = heads.logit_scale(text_config)
+    if scale != 1.0:  # (s h) W^T + s b = s (h W^T + b)
+        hidden = hidden * scale
+        bias = None if bias is None else bias * scale
+    return fused_logprobs(hidden, weight, labels.to(torch.int64), bias=bias, temperature=float(temperature),
+                          softcap=heads.softcap(text_config), return_entropy=True, impl=_impl())
 
 
 def _head_method(head: torch.nn.Module):
@@ -180,8 +187,8 @@ def forward_with_grpo_fast(
         rolled = torch.roll(input_ids, shifts=-1, dims=-1)
     else:
         raise RuntimeError(f"impl_backend={BACKEND!r}: the forward needs labels, shift_labels or input_ids")
-    softcap = getattr(self.config, "final_logit_softcapping", None)
-    log_probs, entropy = _head_method(self.get_output_embeddings())(outputs[0], rolled, temperature, softcap)
+    text_config = self.config.get_text_config()
+    log_probs, entropy = _head_method(self.get_output_embeddings())(outputs[0], rolled, temperature, text_config)
     return CausalLMOutputForPPO(
         log_probs=log_probs,
         entropy=entropy,

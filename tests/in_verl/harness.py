@@ -663,7 +663,8 @@ def train_step(actor: Actor, batch, temperature: float | None = None, calculate_
     `actor.n_micro` micro-batches, one epoch, no shuffle; calculate_entropy as the trainer sets it: actor
     calculate_entropy or entropy_coeff != 0). Returns {"metrics": verl's metrics dict as train_mini_batch returns it
     (lists, one entry per mini-batch: loss, grad_norm, actor/pg_loss, actor/pg_clipfrac, actor/ppo_kl, ...), "loss",
-    "grad_norm" (floats), "grads": {param name: full gradient (the actor's precision), None if it got none}}. The gradients are read in
+    "grad_norm" (floats), "grads": {param name: full gradient (the actor's precision), None if it got none}}. The
+    gradients are read in
     `engine.optimizer_step` before verl's clip_grad_norm_ runs (so clipping never alters them; the optimizer step
     itself still sees clipped ones), for every parameter with requires_grad (LoRA: the adapters only)."""
     from verl.utils import tensordict_utils as tu

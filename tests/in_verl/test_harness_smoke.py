@@ -110,7 +110,7 @@ def test_verl_fused_torch_backend_untied_issue_5633(model_dirs, batch, logits_pa
 
     root = H.make_actor(model_dirs[False], lm_head_own_fsdp_unit=False, **kw)
     assert "lm_head" not in root.worker.fsdp_unit_names()
-    H.infer(root, batch)  # runs (its numbers: tests/verl/test_verl_backend.py)
+    H.infer(root, batch)  # runs (its numbers: tests/in_verl/test_verl_backend.py)
 
 
 def test_fused_patch_stays_local_to_its_worker(model_dirs, batch, logits_path):
