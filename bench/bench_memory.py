@@ -8,7 +8,7 @@ Configurations (``--configs``), all on the same model, prompts, group size and l
   grpo_reference  GRPO (dapo, beta 0.04, one update per rollout), loss on materialised logits
   grpo_fused      GRPO with grpo-fast's fused loss (no ``[N, V]`` tensor): what ``grpo-fast train`` does
   grpo_shared     grpo_fused with the prompt run once per group in the reference and policy forwards
-                  (``grpo_fast.shared_prefix_forward``); "skipped: not available" until that function exists
+                  (``grpo_fast.shared_prefix_forward``)
 
 One step = rollout (``grpo_fast.train.rollout.generate``: each prompt prefilled once, its KV cache repeated for the
 group; every completion runs to ``--completion-len`` tokens, no EOS) -> rule-based score -> no-grad passes (reference
@@ -64,6 +64,7 @@ import torch
 from bench import harness
 from grpo_fast.benchmarking import PhaseTimer, time_calls
 from grpo_fast.dtypes import DTYPES  # torch's names: float32, bfloat16, float16
+from grpo_fast.helptext import PlainHelpFormatter
 from grpo_fast.memory.projection import Training
 
 CONFIGS = {
@@ -81,7 +82,7 @@ PHASE_TAGS = {"rollout": "other", "prepare": "other", "forward": "activations", 
               "optimizer": "optimizer"}
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "logits", "critic", "kv_cache", "other")
 MIB = harness.MIB
-NOT_AVAILABLE = "skipped: not available (grpo_fast.shared_prefix_forward does not exist yet)"
+NOT_AVAILABLE = "skipped: not available (this grpo_fast has no shared_prefix_forward: a checkout older than it)"
 FULL_ONLY = "skipped: PPO runs with full fine-tuning and no activation checkpointing only"
 
 
@@ -182,9 +183,17 @@ def even_token_score(ro) -> torch.Tensor:
     return (ro.completion_ids % 2 == 0).float().mean(dim=1)
 
 
+# --help of Shape's fields
+SHAPE_HELP = {"layers": "decoder layers of the measured Qwen2 model", "hidden": "its hidden size H",
+              "intermediate": "its MLP's intermediate size", "heads": "its attention heads",
+              "kv_heads": "its key/value heads (grouped-query attention)", "vocab": "its vocabulary size V",
+              "prompts": "prompts per step (B)", "group_size": "completions per prompt (G)",
+              "prompt_len": "prompt tokens (P)", "completion_len": "completion tokens, every completion that long (T)"}
+
+
 def shared_forward(group_size: int):
     """``completion_hidden``'s signature on top of ``grpo_fast.shared_prefix_forward`` (rows of a group share their
-    prompt: row ``i`` belongs to prompt ``i // G``); None while that function does not exist."""
+    prompt: row ``i`` belongs to prompt ``i // G``); None in a checkout older than that function."""
     import grpo_fast
 
     fn = getattr(grpo_fast, "shared_prefix_forward", None)
@@ -260,7 +269,7 @@ def build_policy(config, device: torch.device, compute_dtype: torch.dtype, train
 def setup_config(name: str, spec: Shape, device: torch.device, compute_dtype: torch.dtype, seed: int,
                  model_config=None, training: Training = Training()) -> Setup | None:
     """Model, reference, critic (PPO), AdamW and prompts for configuration ``name``; None when it needs
-    ``shared_prefix_forward`` and that does not exist. ``model_config``: another transformers config to build
+    ``shared_prefix_forward`` and this checkout predates it. ``model_config``: another transformers config to build
     (default: ``spec.config()``); ``training``: LoRA and activation checkpointing (GRPO configurations only)."""
     from grpo_fast.ppo import Critic, PPOConfig, ppo_step
     from grpo_fast.train.config import TrainConfig
@@ -477,12 +486,13 @@ def plot(csv_path: Path) -> Path:
 def build_parser(prog: str = "python -m bench.bench_memory") -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
     p = argparse.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]), allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
                    help=f"configurations to run, in order (default: all: {', '.join(CONFIGS)})")
     d = Shape()
     for name, value in asdict(d).items():
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value, help=f"(default {value})")
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
+                       help=f"{SHAPE_HELP[name]} (default {value})")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", choices=list(DTYPES), default="float32",
                    help="compute dtype of the forward passes and the reference's storage (default float32)")
@@ -493,7 +503,8 @@ def build_parser(prog: str = "python -m bench.bench_memory") -> argparse.Argumen
                    help="activation checkpointing of the GRPO configurations (PPO is skipped with it)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per configuration (default 1)")
     p.add_argument("--reps", type=int, default=2, help="timed steps per configuration (default 2; median)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model's weights, the prompts and the sampling "
+                                                          "(default 0)")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration (default 1800)")
     p.add_argument("--csv", type=Path, default=None,
                    help=f"output CSV (default {DEFAULT_DIR}/memory_<device>.csv in the current directory, never the "

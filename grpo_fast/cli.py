@@ -11,48 +11,62 @@ import shlex
 import sys
 from pathlib import Path
 
+from grpo_fast.helptext import PLAIN_FORMATTERS
+
 TRAIN_DESCRIPTION = """\
 Train a causal LM with GRPO. With no arguments: a tiny Qwen2 learns the built-in 'digits' task
 ("max 3 8 1 6=" -> "8") on the CPU in 2-5 minutes, with a held-out evaluation before and after.
 
-Options come from (later wins): the defaults below, --config FILE (.toml or .yaml; the loss options in a [loss]
-table), then the flags. Lists are comma-separated (--rewards math,format). Outputs in --output-dir:
+Options come from (later wins): the defaults below, --config FILE (.toml or .yaml, the loss options in a [loss]
+table; or a run's own config.json), then the flags. Lists are comma-separated (--rewards math,format). TRL's
+names --learning-rate, --num-generations and --max-completion-length are taken for --lr, --group-size and
+--max-new-tokens. --resume --output-dir DIR alone continues that run with its own options (DIR/config.json); a
+flag given with it must match the run's, but for the few a resume may change. Outputs in --output-dir:
 metrics.jsonl, reward_kl.png, config.json, checkpoints/, and model/: the trained model (save_pretrained; see
 grpo-fast export and grpo-fast eval).
 """
 
 
 class Parser(argparse.ArgumentParser):
-    """No abbreviated options (``--step 3`` is not ``--steps 3``), and an error is one line that says what came and
-    what the nearest known option is; the subcommands' parsers are of this class too."""
+    """No abbreviated options (``--step 3`` is not ``--steps 3``), an error is one line that says what came and
+    what the nearest known option is (or its ``hints`` entry), and --help is plain text
+    (``grpo_fast.helptext.plain_text``); the subcommands' parsers are of this class too."""
 
-    def __init__(self, *args, allow_abbrev: bool = False, **kwargs):
-        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+    hints: dict[str, str] = {}  # an unknown flag -> what to say instead of the nearest known one
+
+    def __init__(self, *args, allow_abbrev: bool = False, formatter_class=None, **kwargs):
+        super().__init__(*args, allow_abbrev=allow_abbrev,
+                         formatter_class=PLAIN_FORMATTERS.get(formatter_class, formatter_class), **kwargs)
 
     def error(self, message: str):
         unknown = message.removeprefix("unrecognized arguments: ")
         if unknown != message:
             known = [o for a in self._actions for o in a.option_strings]
             flags = [w for w in unknown.split() if w.startswith("-")]
-            near = difflib.get_close_matches(flags[0].split("=")[0], known, n=1, cutoff=0.75) if flags else []
-            message = f"unknown option(s): {unknown}" + (f"; did you mean {near[0]}?" if near else "")
+            first = flags[0].split("=")[0] if flags else ""
+            near = difflib.get_close_matches(first, known, n=1, cutoff=0.75) if flags else []
+            message = f"unknown option(s): {unknown}" + (f"; {self.hints[first]}" if first in self.hints else
+                                                         f"; did you mean {near[0]}?" if near else "")
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _train_parser(sub) -> argparse.ArgumentParser:
-    from grpo_fast.train.config import field_help
+    from grpo_fast.train.config import TRL_ALIASES, TRL_NEAR, field_help
 
     p = sub.add_parser("train", help="train with GRPO (no arguments: the built-in CPU demo)",
                        usage="grpo-fast train [--config FILE] [--OPTION VALUE ...]",
                        description=TRAIN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", metavar="FILE", help="a .toml or .yaml file of options")
+    p.add_argument("--config", metavar="FILE", help="a .toml or .yaml file of options, or a run's config.json")
+    p.hints = {f"--{name.replace('_', '-')}": hint for name, hint in TRL_NEAR.items()}
+    aliases = {f"--{target.replace('_', '-')}": f"--{name.replace('_', '-')}" for name, target in TRL_ALIASES.items()}
     p.add_argument("--debug", action="store_true",
                    help="with an error (a bad option, a reward function that raised), also print its traceback")
     groups: dict[str, argparse._ArgumentGroup] = {}
     for section, flag, default, text in field_help():
         group = groups.setdefault(section, p.add_argument_group(section))
         is_bool = default in ("True", "False")
-        group.add_argument(flag, dest=flag[2:], metavar="BOOL" if is_bool else "VALUE", default=argparse.SUPPRESS,
+        names = (flag, aliases[flag]) if flag in aliases else (flag,)  # TRL's name of the same option, too
+        group.add_argument(*names, dest=flag[2:], metavar="BOOL" if is_bool else "VALUE", default=argparse.SUPPRESS,
                            nargs="?" if is_bool else None, const="true" if is_bool else None,
                            help=f"{text} (default: {default})")
     return p
@@ -149,12 +163,20 @@ def _log_above_progress_bar():
 
 
 def _quiet_libraries() -> None:
-    """No transformers progress bars ("Loading weights", "Writing model shards") and no matplotlib INFO lines
-    inside grpo-fast's own output; their warnings still show."""
+    """No transformers progress bars ("Loading weights", "Writing model shards"), no matplotlib INFO lines and not
+    bitsandbytes' missing-CPU-kernel message inside grpo-fast's own output; their other warnings still show."""
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bnb_kernel_message)  # once: the same filter
+
+
+def _not_bnb_kernel_message(record: logging.LogRecord) -> bool:
+    """False for bitsandbytes' message that its optional CPU 4-bit kernel is missing. peft imports bitsandbytes
+    whenever it is installed (and transformers imports peft), so it would show on every CPU run, while only a 4-bit
+    run on a CPU would use that kernel (docs/train.md, QLoRA)."""
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
 
 
 def train_overrides(args: argparse.Namespace) -> dict:
@@ -163,8 +185,8 @@ def train_overrides(args: argparse.Namespace) -> dict:
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    from grpo_fast.train import build_config, fit, prepare
-    from grpo_fast.train.config import read_config_file
+    from grpo_fast.train import fit, prepare
+    from grpo_fast.train.config import read_config_file, resumed_config
     from grpo_fast.train.distributed import shutdown
     from grpo_fast.train.rewards import RewardError
     from grpo_fast.train.checkpoint import DiskFull
@@ -174,7 +196,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     file_values: dict = {}
     try:
         file_values = read_config_file(args.config) if args.config else {}
-        prepared = prepare(build_config(file_values, overrides, file_name=f"--config {args.config}"))
+        prepared = prepare(resumed_config(file_values, overrides, file_name=f"--config {args.config}"))
     except RewardError as e:  # in the evaluation before the first step
         e.when = e.when or "in the evaluation before training"
         return _reward_failed(args, argv, e)
@@ -479,12 +501,29 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Version(argparse.Action):
+    """``grpo-fast --version``: one line, the versions read when asked (torch's import takes a second)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        import grpo_fast
+        import torch
+
+        from grpo_fast.benchmarking import dist_version
+
+        triton = dist_version("triton") or dist_version("pytorch-triton-rocm") or "not installed"
+        print(f"grpo-fast {grpo_fast.__version__} | torch {torch.__version__} | triton {triton} | transformers "
+              f"{dist_version('transformers') or 'not installed'}")
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     code = _parsed_elsewhere(argv)
     if code is not None:
         return code
     parser = Parser(prog="grpo-fast", description="GRPO with fused Triton kernels: no logits.")
+    parser.add_argument("--version", action=_Version, nargs=0, default=argparse.SUPPRESS,
+                        help="print the versions of grpo-fast, torch, triton and transformers, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _export_parser(sub)

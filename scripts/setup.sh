@@ -20,6 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"
+# pip >= 25 shows the build backend's warnings even with -q: setuptools' "Editable installation" banner (folders named
+# like the package may shadow it on imports; here that folder is the package) is left out, nothing else
+export PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation"
 if [ "$LOCK" != none ]; then  # a lock resolves for one Python: another one may need other packages or versions
   LOCKED_PY=$(sed -n 's/^# Made .* with Python \([0-9]*\.[0-9]*\)\..*/\1/p' "$LOCK")
   HERE_PY=$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')

@@ -526,18 +526,43 @@ def test_a_bad_value_in_a_config_file_names_the_file(suffix, text, flag, expecte
 
 
 def test_the_default_run_prints_no_duplicate_line_no_library_bar_and_logs_above_the_bar(tmp_path):
-    """A real process, as a user runs it (progress bar on, a local model that loads weights): the shared-prefix line
-    once, no transformers bars, and every log line on a line of its own (not after the progress bar's text)."""
+    """A real process, as a user runs it (stderr a terminal, so the progress bar is on; a local model that loads
+    weights): the shared-prefix line once, no transformers bars, and every log line on a line of its own (not after
+    the progress bar's text)."""
+    import fcntl
+    import pty
     import re
+    import struct
+    import termios
+    import threading
 
     from train_helpers import save_local_model
 
     model = save_local_model(tmp_path / "model", "qwen2", None)
+    master, terminal = pty.openpty()  # stderr a terminal: a pipe gets plain progress lines instead of the bar
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # 120 columns for the bar
+    chunks: list[bytes] = []
+
+    def read():
+        while True:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # the child's side closed
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
     proc = subprocess.run([sys.executable, "-m", "grpo_fast", "train", *TINY[:-4], "--steps", "2", "--model", model,
-                           "--output-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    err = proc.stderr
+                           "--output-dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=terminal,
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.close(terminal)
+    reader.join(timeout=30)
+    os.close(master)
+    err = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")  # the terminal's newline
+    assert proc.returncode == 0, err[-3000:]
     assert err.count("shared prefix: attention implementation") == 1, err
     assert "Loading weights" not in err and "Writing model shards" not in err, err
     assert "grpo-fast:" in err  # the bar is there

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # it may import modules of its own layer and of the layers before it, never of a later one.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("grpo_fast.config", "grpo_fast.outputs", "grpo_fast.checks", "grpo_fast.dispatch",
-                    "grpo_fast.testing", "grpo_fast.memory.models", "grpo_fast.dtypes", "grpo_fast.benchmarking")),
+                    "grpo_fast.testing", "grpo_fast.memory.models", "grpo_fast.dtypes", "grpo_fast.benchmarking",
+                    "grpo_fast.helptext")),
     ("reference", ("grpo_fast.reference",)),
     # the chunked PyTorch algorithms and the Triton kernels with their launchers, and the contract of the log-prob pair
     ("implementations", ("grpo_fast.logprob_contract", "grpo_fast.logprobs_torch", "grpo_fast.loss_torch",

@@ -79,7 +79,7 @@ def test_config_file_errors(tmp_path):
         read_config_file(tmp_path / "dir.toml")
     bad = tmp_path / "c.ini"
     bad.write_text("x=1")
-    with pytest.raises(ValueError, match=r"expected a .toml, .yaml or .yml file"):
+    with pytest.raises(ValueError, match=r"expected a .toml, .yaml, .yml or .json \(a run's config.json\) file"):
         read_config_file(bad)
 
 

@@ -28,13 +28,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import warnings
 
 import torch
 
 try:
-    import trl
-    from trl import GRPOTrainer
-    from trl.trainer.utils import nanmax, nanmin
+    # importing TRL checks the installed vLLM against the range TRL was tested with and warns when it is outside
+    # (vLLM 0.32, which grpo-fast's own --rollout vllm is tested with, is); that concerns TRL's use_vllm=True path
+    # only, and TRL checks again when a trainer takes it: so that one warning is left out of the import alone
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"TRL currently supports vLLM versions", category=UserWarning)
+        import trl
+        from trl import GRPOTrainer
+        from trl.trainer.utils import nanmax, nanmin
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
     raise ImportError(
         "grpo_fast.integrations.trl needs TRL >= 1.16 (pip install 'grpo-fast[trl]' or pip install 'trl>=1.16'); "

@@ -32,11 +32,13 @@ import dataclasses
 import json
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
 
 from grpo_fast.dtypes import DTYPES
+from grpo_fast.helptext import PlainHelpFormatter
 from grpo_fast.memory.models import MODELS, get_model
 from grpo_fast.memory.projection import (DEFAULT_OPTIM, MAX_COMPLETION, Step, Training, calibration_path,
                                          coefficients, largest_completion, load_calibration, optimizers, peak,
@@ -79,6 +81,25 @@ def fit_table(model: str, memory: int, *, prompts: int = 1, prompt_len: int = 51
                                                compute_bytes=compute_bytes, device=device, training=training,
                                                calibrated_lora_r=calibration["lora_r"]) for G in group_sizes}
     return dict(model=shape.name, training=training, table=table, budget=budget, compute_bytes=compute_bytes)
+
+
+# the tables' columns, one per method (grpo_fast.memory.projection.METHODS)
+COLUMNS = {
+    "ppo": "PPO as TRL's PPOTrainer runs it (actor, critic, frozen reference; log-probs through the [N, V] logits): "
+           "the baseline",
+    "grpo_reference": "GRPO with its loss on the materialised [N, V] logits, as TRL's GRPOTrainer computes it",
+    "grpo_fused": "GRPO with grpo-fast's fused loss, no [N, V] tensor: what grpo-fast train does",
+    "grpo_shared": "grpo_fused with each group's prompt run once per forward (grpo-fast train --shared-prefix, on "
+                   "by default where it saves tokens)",
+}
+
+
+def legend(cells: bool = True) -> str:
+    """What the columns (and with ``cells``, the cells of a G x T table) mean: under the tables and in --help."""
+    methods = "; ".join(f"{name}: {text}" for name, text in COLUMNS.items())
+    return f"Columns: {methods}." + (f" A cell: the longest completion T (tokens) whose training step fits at that "
+                                     f"group size G; 0: not even T=1 fits; {MAX_COMPLETION:,}+: at least that (the "
+                                     "search stops there)." if cells else "")
 
 
 def cell(T: int) -> str:
@@ -124,7 +145,7 @@ def format_fit(results: list[dict], memory: int, args, calibration: dict) -> str
         for G in result["table"][methods[0]]:
             lines.append(f"| {G} | " + " | ".join(cell(result["table"][m][G]) for m in methods) + " |")
         lines += ["", _states_line(shape, training, result["compute_bytes"])]
-    lines += ["", _measured_line(args, calibration)]
+    lines += ["", legend(), "", _measured_line(args, calibration)]
     return "\n".join(lines)
 
 
@@ -175,14 +196,15 @@ def summary(memory: int, group_size: int, args, calibration: dict, trainings) ->
             lines.append(f"| {name} | {get_model(name).num_params() / 1e9:.2f}B | " + " | ".join(cells) + " |")
     if cases and not fitted:
         raise nothing_fits(args, calibration, cases)
-    lines += ["", _measured_line(args, calibration)]
+    lines += ["", legend(cells=False), "", _measured_line(args, calibration)]
     return "\n".join(lines)
 
 
 def build_parser(prog: str = "grpo-fast fit") -> argparse.ArgumentParser:
     doc = __doc__.split("\n\n")
-    p = argparse.ArgumentParser(prog=prog, description=doc[0], epilog="\n\n".join(doc[1:]), allow_abbrev=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    epilog = "\n\n".join([*doc[1:], textwrap.fill(legend(), 116)])
+    p = argparse.ArgumentParser(prog=prog, description=doc[0], epilog=epilog, allow_abbrev=False,
+                                formatter_class=PlainHelpFormatter)
     p.add_argument("--model", help=f"registry name: {', '.join(MODELS)}")
     p.add_argument("--memory", help="GPU memory, e.g. 24GB, 80GB, 24576MiB (GB = GiB = 2**30 bytes)")
     p.add_argument("--lora-r", type=int, default=None, metavar="R",

@@ -175,9 +175,28 @@ class TrainConfig:
     # logging and checkpoints
     output_dir: str = _f("runs/grpo-fast", "metrics.jsonl, the plot, config.json, checkpoints/ and the trained model "
                          "(model/: a save_pretrained directory) go here")
-    log_every: int = _f(1, "write a metrics line every N steps")
-    progress: bool = _f(True, "show a progress bar")
-    plot: bool = _f(True, "write reward_kl.png at the end (needs matplotlib)")
+    log_every: int = _f(1, "write a metrics line every N steps (TRL's logging_steps): to metrics.jsonl and the "
+                        "--report-to trackers, and, when stderr is not a terminal, as a plain progress line")
+    progress: bool = _f(True, "show progress: a bar when stderr is a terminal; otherwise (a log file, a pipe) one "
+                        "plain line every log_every steps: step, reward, KL, loss, step time, ETA")
+    plot: bool = _f(True, "write reward_kl.png (reward and KL, raw and smoothed) at every checkpoint and at the end "
+                    "(needs matplotlib)")
+    report_to: list[str] = _f(["none"], "experiment trackers that get every metrics.jsonl row, at its step, and the "
+                              "run's config (TRL's report_to, with its default none): tensorboard (event files in "
+                              "output_dir/tensorboard), wandb, trackio, a comma-separated list of them, all (those "
+                              "whose client is installed) or none. Each needs its client (pip install "
+                              "'grpo-fast[wandb]'); a missing client or a service out of reach is one warning and "
+                              "the run goes on. Only rank 0 reports")
+    run_name: str | None = _f(None, "the run's name in the trackers (TRL's run_name; None: wandb's and trackio's "
+                              "generated names)")
+    project: str | None = _f(None, "the trackers' project (TRL's project; None: $WANDB_PROJECT for wandb, else "
+                             "grpo-fast)")
+    log_completions_every: int = _f(0, "every N steps, the step's prompts, completions, each reward function's "
+                                    "score, the total reward and the advantages go to output_dir/completions.jsonl "
+                                    "and to each tracker's completions table (TRL's log_completions, which logs "
+                                    "every logging_steps; 0: off). Rank 0's completions in a distributed run")
+    num_completions_to_print: int | None = _f(4, "of those, how many are also printed to the log (TRL's "
+                                              "num_completions_to_print; None: all, TRL's default; 0: none)")
     save_every: int = _f(100, "checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = _f(2, "how many checkpoints to keep, the newest (0: every one)")
     resume: bool = _f(False, "continue from the newest complete checkpoint in output_dir")
@@ -242,6 +261,21 @@ class TrainConfig:
                 or self.sft_warmup_steps < 0:
             raise ValueError(f"TrainConfig.sft_warmup_steps must be an int >= 0, got {self.sft_warmup_steps!r}")
 
+    def _validate_reporting(self):
+        from grpo_fast.train.tracking import check_report_to
+
+        check_report_to(self.report_to)
+        for name in ("run_name", "project"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ValueError(f"TrainConfig.{name} must be a non-empty string or None, got {value!r}")
+        every = self.log_completions_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"TrainConfig.log_completions_every must be an int >= 0 (0: off), got {every!r}")
+        shown = self.num_completions_to_print
+        if shown is not None and (isinstance(shown, bool) or not isinstance(shown, int) or shown < 0):
+            raise ValueError(f"TrainConfig.num_completions_to_print must be an int >= 0 or None (all), got {shown!r}")
+
     def validate(self):
         for f in dataclasses.fields(self):  # from Python, "no" or 1 would read as true
             if _annotation(TrainConfig, f.name) is bool:
@@ -267,6 +301,7 @@ class TrainConfig:
         if not isinstance(self.output_dir, (str, os.PathLike)) or not str(self.output_dir).strip():
             # "" is the current directory to pathlib: a run would write (and --overwrite delete) there
             raise ValueError(f"TrainConfig.output_dir must name a directory, got {self.output_dir!r}")
+        self._validate_reporting()
         positive = ("steps", "prompts_per_step", "group_size", "mu", "micro_batch_size", "max_new_tokens",
                     "max_prompt_length", "eval_size", "log_every")
         for name in positive:
@@ -413,6 +448,8 @@ def _parse_value(cls, name: str, raw):
     if origin in (typing.Union, types.UnionType) and str in args:  # ``LossType | str``: validated by the target
         return raw
     try:
+        if optional and raw is None:  # JSON's and YAML's null
+            return None
         if isinstance(raw, str):
             if optional and raw.lower() in ("none", "null"):
                 return None
@@ -468,8 +505,38 @@ def _plain(value, hint, where: str | None):
     return value
 
 
+# a run's config.json: how that run started, not an option of the run it describes
+RUN_ACTIONS = ("resume", "overwrite")
+# TRL's GRPOConfig names for options that mean exactly what grpo-fast's mean: taken as flags and in config files
+TRL_ALIASES = {"learning_rate": "lr", "num_generations": "group_size", "max_completion_length": "max_new_tokens"}
+# TRL's names for what grpo-fast splits otherwise: refused, with the options to use
+TRL_NEAR = {"per_device_train_batch_size": "did you mean --micro-batch-size? (completions per forward/backward on a "
+            "device, as TRL's per_device_train_batch_size counts them; TRL also sizes each generation from it, "
+            "grpo-fast from --prompts-per-step x --group-size)"}
+
+
+def run_options(output_dir: str | Path) -> dict:
+    """The options of the run in ``output_dir``, from the ``config.json`` every run writes there: what ``--resume``
+    continues with where no flag or ``--config`` sets an option ({} without that file). Left out: ``output_dir``
+    (the run is the directory it was read from, wherever it moved) and :data:`RUN_ACTIONS`."""
+    path = Path(output_dir) / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--resume: {path}, the run's options, cannot be read ({e}); give the run's options again "
+                         "with --config FILE or flags") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"--resume: {path} must hold the run's options as a JSON object, got "
+                         f"{type(values).__name__}")
+    return {k: v for k, v in values.items() if k not in (*RUN_ACTIONS, "output_dir")}
+
+
 def read_config_file(path: str | Path) -> dict:
-    """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) file -> a dict of fields (``[loss]`` a nested table)."""
+    """A TOML (``.toml``), YAML (``.yaml``/``.yml``) or JSON (``.json``: a run's own ``config.json``, whose
+    ``resume`` and ``overwrite`` are left out, see :data:`RUN_ACTIONS`) file -> a dict of fields (``[loss]`` a
+    nested table)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"--config: {'not a file' if path.exists() else 'no such file'} {str(path)!r}")
@@ -493,18 +560,29 @@ def read_config_file(path: str | Path) -> dict:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ValueError(f"--config: {path} is not valid YAML{where}: {problem}") from None
         data = {} if data is None else data
+    elif path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"--config: {path} is not valid JSON: {e}") from None
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in RUN_ACTIONS}
     else:
-        raise ValueError(f"--config: expected a .toml, .yaml or .yml file, got {str(path)!r}")
+        raise ValueError(f"--config: expected a .toml, .yaml, .yml or .json (a run's config.json) file, got "
+                         f"{str(path)!r}")
     if not isinstance(data, dict):
         raise ValueError(f"--config: {path} must hold a table of fields, got {type(data).__name__}")
     return data
 
 
 def build_config(file_values: dict | None = None, overrides: dict[str, str] | None = None,
-                 file_name: str = "config file") -> TrainConfig:
-    """Defaults < file values < command-line overrides. ``overrides`` keys are field names (``loss.beta`` for the
-    loss). Unknown names raise an error that lists the nearest known ones; errors in ``file_values`` start with
-    ``file_name``."""
+                 file_name: str = "config file", saved: dict | None = None,
+                 saved_name: str = "the run's config.json") -> TrainConfig:
+    """Defaults < ``saved`` < file values < command-line overrides. ``overrides`` keys are field names (``loss.beta``
+    for the loss; TRL's names of the same options, :data:`TRL_ALIASES`, too). Unknown names raise an error that lists
+    the nearest known ones; errors in ``file_values`` start with ``file_name``. ``saved``: a run's own options
+    (:func:`run_options`, what ``--resume`` continues with), those this version does not have dropped; errors in
+    them start with ``saved_name``."""
     values: dict = {}
     loss: dict = {}
     from_file: set[str] = set()  # the options whose value is the file's (a flag over one takes it back)
@@ -512,6 +590,7 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
     loss_known = {f.name for f in dataclasses.fields(GRPOLossConfig)}
 
     def put(name, raw, source):
+        name = TRL_ALIASES.get(name, name)
         if name.startswith("loss."):
             key = name[len("loss."):]
             if key not in loss_known:
@@ -527,9 +606,20 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
         elif name in known and name != "loss":
             values[name] = _parse_value(TrainConfig, name, raw)
             (from_file.add if source == file_name else from_file.discard)(name)
+        elif name in TRL_NEAR:
+            raise ValueError(f"{source}: unknown option {name!r}; {TRL_NEAR[name]}")
         else:
             raise ValueError(_unknown(f"{source}: unknown option {name!r}", name, known | {"loss.*"}))
 
+    for name, raw in (saved or {}).items():  # the run's own options: only those this version has
+        if not isinstance(name, str) or name.replace("-", "_") not in known:
+            continue
+        if name == "loss" and isinstance(raw, dict):  # the fields the trainer sets are recorded at their defaults
+            raw = {k: v for k, v in raw.items() if k in loss_known and k not in TRAINER_OWNED_LOSS_FIELDS}
+        try:
+            put(name.replace("-", "_"), raw, saved_name)
+        except ValueError as e:
+            raise ValueError(str(e) if str(e).startswith(saved_name) else f"{saved_name}: {e}") from None
     for name, raw in (file_values or {}).items():
         if not isinstance(name, str):  # YAML keys may be numbers or booleans
             raise ValueError(f"{file_name}: option names are strings, got {name!r}")
@@ -548,6 +638,24 @@ def build_config(file_values: dict | None = None, overrides: dict[str, str] | No
         if named & from_file:
             raise ValueError(f"{file_name}: {e}") from None
         raise
+
+
+def resumed_config(file_values: dict | None = None, overrides: dict[str, str] | None = None,
+                   file_name: str = "config file") -> TrainConfig:
+    """:func:`build_config`, and with ``resume`` over the options of the run being resumed (:func:`run_options`:
+    its ``config.json``): ``--resume --output-dir DIR`` alone continues the run as it was; an option the file or
+    the flags set is taken as given (and checked against the checkpoint's when it loads)."""
+    def given(name: str, default):
+        for source in (overrides or {}, file_values or {}):
+            for key in (name, name.replace("_", "-")):
+                if key in source:
+                    return _parse_value(TrainConfig, name, source[key])
+        return default
+
+    resume, output_dir = given("resume", False), given("output_dir", TrainConfig.output_dir)
+    saved = run_options(output_dir) if resume is True and isinstance(output_dir, str) else {}
+    return build_config(file_values, overrides, file_name=file_name, saved=saved,
+                        saved_name=f"--resume: {Path(output_dir) / 'config.json'}")
 
 
 def _option_name(owner: str, field: str) -> str:

@@ -36,12 +36,14 @@ _FLAGS = {"model": "--model", "tokenizer": "--model", "dataset": "--dataset", "e
 
 
 @torch.no_grad()
-def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | None = None) -> float | None:
+def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | None = None,
+             completions_out: list[list] | None = None) -> float | None:
     """Mean weighted reward of the held-out prompts' completions (None without any prompts, or when no reward
     function scored any of them: every one returned None): one greedy completion per prompt by default (the run's
     before/after evaluation), or ``samples`` completions per prompt drawn with ``params``. ``scores``, when given,
     receives one ``[samples]`` tensor of weighted rewards per prompt this rank scored, in order, NaN for a completion
-    no function scored (``grpo-fast eval``'s pass@k). ``run`` is the trainer's ``Run``, ``params`` a
+    no function scored (``grpo-fast eval``'s pass@k); ``completions_out``, when given, the ``samples`` completions of
+    each of those prompts (text, or a multi-turn completion's messages). ``run`` is the trainer's ``Run``, ``params`` a
     ``SamplingParams``; completions are sampled and scored as in training (``rollout.rollout``, ``rewards.score``), by
     grpo-fast's own sampler on the policy whatever the run's rollout engine."""
     from grpo_fast.bnb_layout import inference_layout
@@ -78,6 +80,9 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
                 scored += int((~unscored).sum())
                 if scores is not None:
                     scores.extend(rewards.masked_fill(unscored, math.nan).view(len(part), samples))
+                if completions_out is not None:
+                    completions_out.extend(list(completions[j * samples : (j + 1) * samples])
+                                           for j in range(len(part)))
     total, scored = dist_.sum_across([total, float(scored)], world, run.device)
     if not scored:
         logger.warning("held-out evaluation: no reward function scored any of the %d completions (all returned None)",
@@ -268,8 +273,9 @@ def _evaluate(options: EvalOptions) -> dict:
     temperature = options.sampling_temperature
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=options.top_p)
     scores: list[torch.Tensor] = []
+    texts: list[list] = []
     try:
-        mean = evaluate(run, samples=options.samples, params=params, scores=scores)
+        mean = evaluate(run, samples=options.samples, params=params, scores=scores, completions_out=texts)
     finally:
         if agent is not None:
             agent.close()
@@ -286,9 +292,10 @@ def _evaluate(options: EvalOptions) -> dict:
         "pass_threshold": options.pass_threshold,
         # nothing scored: both n/a (None), not 0
         f"mean@{k}": mean, f"pass@{k}": None if mean is None else int(passed.sum()) / len(passed),
+        # each prompt's completions, the i-th scored by rewards[i] (the weighted total; unscored: null)
         "per_prompt": [{"prompt": r[options.prompt_column],
-                        "rewards": [None if math.isnan(x) else x for x in s.tolist()]}  # unscored: null
-                       for r, s in zip(records, per_prompt)],
+                        "rewards": [None if math.isnan(x) else x for x in s.tolist()], "completions": c}
+                       for r, s, c in zip(records, per_prompt, texts)],
     }
 
 

@@ -17,7 +17,11 @@ CHECKPOINT OUT_DIR`` makes the same directory from any checkpoint (``export_chec
   ``full_state_dict=True, cpu_offload=True``), which rank 0 writes.
 
 The directory is written under a temporary name and renamed when complete, so a stopped run never leaves half a
-model; an earlier ``model/`` in the same place is replaced.
+model; an earlier ``model/`` in the same place is replaced, but for the files no save writes (``grpo-fast eval``'s
+``eval.json``, anything the user put there), which are kept. Files get the modes the umask gives. The tokenizer files
+are the same in a run's ``model/`` and an export of its checkpoint; where ``AutoTokenizer`` would load them otherwise
+than they trained (the tiny model's: transformers 5 reads any ``qwen2`` directory with ``Qwen2Tokenizer``), the log
+says what loads them (``PreTrainedTokenizerFast.from_pretrained(DIR)``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -111,12 +116,117 @@ def _save_model(model, tokenizer, directory: Path, merge_lora: bool, state_dict,
         else:
             _set_generation_config(model, tokenizer, max_new_tokens)
             model.save_pretrained(tmp, state_dict=state_dict)
-        tokenizer.save_pretrained(tmp)
+        _save_tokenizer(tokenizer, tmp)
+        _umask_modes(tmp)
+        _check_auto_tokenizer(tmp, tokenizer, directory)
         if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+            kept = _carry_over(directory, tmp)
+            if kept:
+                logger.info("kept in %s what no save writes there: %s", directory, ", ".join(kept))
+            old = directory.with_name(f".{directory.name}.{os.getpid()}.old")  # never a *.tmp: a resume removes those
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old)  # what it held that was not a save's is in directory now
+        else:
+            os.replace(tmp, directory)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# the files a save_pretrained of a model, an adapter or a tokenizer writes: an earlier save's are replaced whole;
+# anything else in the directory (grpo-fast eval's eval.json, the user's notes) is kept
+_SAVED_FILE = re.compile(r"(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"
+                         r"|(adapter_|generation_)?config\.json|(tokenizer|special_tokens_map|added_tokens|vocab|merges"
+                         r"|spiece|chat_template).*|.*\.tiktoken")
+
+
+def _carry_over(old: Path, new: Path) -> list[str]:
+    """Links (else copies) into ``new`` every entry of ``old`` that is not a saved model's file
+    (:data:`_SAVED_FILE`) and that ``new`` does not hold: a save never deletes what it did not write. Returns their
+    names."""
+    kept = []
+    for entry in sorted(old.iterdir()):
+        target = new / entry.name
+        if _SAVED_FILE.fullmatch(entry.name) or target.exists() or target.is_symlink():
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.copytree(entry, target, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry, target)
+        kept.append(entry.name)
+    return kept
+
+
+def _link_or_copy(source, target) -> None:
+    if os.path.islink(source):
+        os.symlink(os.readlink(source), target)
+        return
+    try:
+        os.link(source, target)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(source, target)
+
+
+def _umask_modes(directory: Path) -> None:
+    """Every file in ``directory`` gets the mode a plain ``open`` gives under this process's umask (safetensors
+    writes its file through a private temporary, mode 600, that it renames into place)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in directory.iterdir():
+        if path.is_file() and not path.is_symlink():
+            path.chmod(0o666 & ~umask)
+
+
+def _save_tokenizer(tokenizer, directory: Path) -> None:
+    """``tokenizer.save_pretrained``, its ``tokenizer.json`` without the padding and truncation the run's batches left
+    set on the fast tokenizer (transformers sets them again on each call, from ``tokenizer_config.json``'s
+    ``padding_side``): a run's ``model/`` and an export of its checkpoint hold the same tokenizer files."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    padding, truncation = getattr(backend, "padding", None), getattr(backend, "truncation", None)
+    if padding is None and truncation is None:
+        tokenizer.save_pretrained(directory)
+        return
+    backend.no_padding()
+    backend.no_truncation()
+    try:
+        tokenizer.save_pretrained(directory)
+    finally:
+        if padding is not None:  # (both are enable_*'s keyword arguments)
+            backend.enable_padding(**padding)
+        if truncation is not None:
+            backend.enable_truncation(**truncation)
+
+
+# characters a model's prompts and answers hold (the tiny model's vocabulary among them, and some it lacks)
+_TOKENIZER_PROBE = "max 3 8 1 6= min 4 0 7= 37*408+1-2 Hello, world!"
+
+
+def _check_auto_tokenizer(saved: Path, tokenizer, directory: Path) -> None:
+    """Says in the log when ``AutoTokenizer.from_pretrained`` on the saved directory gives a tokenizer that encodes
+    otherwise than the one trained with, naming what loads it as trained: transformers 5 maps every ``qwen2`` directory
+    (the tiny model's among them) to ``Qwen2Tokenizer`` whatever ``tokenizer_config.json`` names, and that one
+    rebuilds a byte-level BPE that drops the tiny vocabulary's spaces and ``+``."""
+    from transformers import AutoTokenizer
+
+    want = tokenizer(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    try:
+        auto = AutoTokenizer.from_pretrained(saved)
+        got = auto(_TOKENIZER_PROBE, add_special_tokens=False)["input_ids"]
+    except Exception as e:  # noqa: BLE001 - whatever stops AutoTokenizer is what the user would meet
+        what = f"AutoTokenizer.from_pretrained({str(directory)!r}) fails ({type(e).__name__}: {e})"
+    else:
+        if got == want:
+            return
+        what = (f"AutoTokenizer.from_pretrained({str(directory)!r}) gives a {type(auto).__name__} that encodes "
+                f"otherwise than the tokenizer trained with ({_TOKENIZER_PROBE!r} reads back as "
+                f"{auto.decode(got)!r})")
+    generic = type(tokenizer).__name__ in ("TokenizersBackend", "PreTrainedTokenizerFast")
+    # the generic fast tokenizer read as a model's own class is transformers' known remapping (an info, said on every
+    # save of the tiny model); any other difference is a surprise (a warning)
+    logger.log(logging.INFO if generic else logging.WARNING, "%s: load the tokenizer with %s.from_pretrained(%r, "
+               "padding_side='left') (grpo-fast eval does)", what,
+               "PreTrainedTokenizerFast" if generic else type(tokenizer).__name__, str(directory))
 
 
 def _set_generation_config(model, tokenizer, max_new_tokens: int | None) -> None:

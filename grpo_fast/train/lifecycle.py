@@ -22,6 +22,9 @@ from grpo_fast.train.config import TrainConfig, config_changes
 from grpo_fast.train.evaluation import evaluate
 from grpo_fast.train.export import MODEL_DIR, base_model_path, full_state_dict, save_model
 from grpo_fast.train.metrics import MetricsLog, plot_metrics, read_steps
+from grpo_fast.train.reporting import completion_table, log_completions, progress
+from grpo_fast.train.rewards import reward_name
+from grpo_fast.train.tracking import Trackers, open_trackers, resolve_report_to
 from grpo_fast.train.model import load_trained_state, trained_state
 from grpo_fast.train.rewards import RewardError
 from grpo_fast.train.engines import engine_of
@@ -88,7 +91,9 @@ def prepare(config: TrainConfig) -> Prepared:
                 ckpt.remove(path)
         out_dir.mkdir(parents=True, exist_ok=True)  # only now: a failed start leaves no empty directory behind
         (out_dir / "config.json").write_text(json.dumps(resolved, indent=2))
-        log = MetricsLog(out_dir / "metrics.jsonl", truncate_after=run.step if resumed else 0)
+        trackers = Trackers(open_trackers(resolve_report_to(config.report_to), out_dir, resolved, config.run_name,
+                                          config.project, resumed_step=run.step if resumed else 0))
+        log = MetricsLog(out_dir / "metrics.jsonl", truncate_after=run.step if resumed else 0, trackers=trackers)
         if resumed:
             eval_before = log.header.get("eval_before")
         else:
@@ -102,11 +107,19 @@ def fit(prepared: Prepared) -> Summary:
 
     Ctrl-C, or a stop signal a scheduler sends (SIGTERM, SIGHUP, SIGUSR1, SIGUSR2, SIGXCPU), finishes the step in
     progress, saves a checkpoint and raises :class:`TrainingInterrupted` (a KeyboardInterrupt); a second one abandons
-    the step without saving it."""
+    the step without saving it. The trackers' runs end with it, however it ends."""
+    try:
+        return _fit(prepared)
+    finally:
+        if prepared.log is not None:
+            prepared.log.close()
+
+
+def _fit(prepared: Prepared) -> Summary:
     run, log, config = prepared.run, prepared.log, prepared.run.config
     ckpt_dir = prepared.out_dir / "checkpoints"
     main = run.world.is_main
-    bar = _progress(config, run.step, enabled=main)
+    bar = progress(config, run.step, enabled=main)
     stop = _StopOnInterrupt(same_press_s=5.0 if run.world.distributed else 0.0)
     try:
         with stop:
@@ -115,14 +128,17 @@ def fit(prepared: Prepared) -> Summary:
                 metrics = train_step(run)
                 if main and (run.step % config.log_every == 0 or run.step == config.steps):
                     log.write(metrics)
-                bar.set_postfix(_postfix(metrics), refresh=False)
-                bar.update(1)
+                if main and run.sample is not None:
+                    _write_completions(run, log)
+                bar.update(metrics)
                 if run.step < config.steps and stop.requested(run):
                     path = save_checkpoint(run, ckpt_dir)
                     raise TrainingInterrupted(f"stopped by {stop.by} after step {run.step} of {config.steps}, saved "
                                               f"in {path}", run.step, path, clean=True)
                 if config.save_every and run.step % config.save_every == 0 and run.step < config.steps:
                     save_checkpoint(run, ckpt_dir)
+                    if main and config.plot:  # the curves so far, at every checkpoint
+                        plot_metrics(prepared.out_dir / "metrics.jsonl", prepared.out_dir / "reward_kl.png")
             path = save_checkpoint(run, ckpt_dir)
             if stop.requested(run):  # a stop in the last step: the run is saved whole, the evaluation not run
                 raise TrainingInterrupted(f"stopped by {stop.by} after the last step ({run.step}), saved in {path}; "
@@ -160,7 +176,7 @@ def fit(prepared: Prepared) -> Summary:
         raise ckpt.DiskFull(f"{e}; the trained run is saved in {path} (step {run.step}): free some space, then write "
                             f"the model with: grpo-fast export {path} {prepared.out_dir / MODEL_DIR}") from None
     if main:
-        log.write_footer({"eval_after": eval_after})
+        log.write_footer({"eval_after": eval_after}, step=run.step)
         if config.plot:
             plot_metrics(prepared.out_dir / "metrics.jsonl", prepared.out_dir / "reward_kl.png")
     if run.engine is not None:  # distributed: vLLM's shutdown takes the process group with it, so only now
@@ -269,16 +285,12 @@ def _check_output_dir(config: TrainConfig, out_dir: Path, ckpt_dir: Path) -> Non
         )
 
 
-def _progress(config: TrainConfig, initial: int, enabled: bool = True):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=config.steps, initial=initial, disable=not (config.progress and enabled), desc="grpo-fast",
-                unit="step", dynamic_ncols=True)
-
-
-def _postfix(m: dict) -> dict:
-    keys = (("reward", "reward"), ("kl", "kl"), ("entropy", "ent"), ("clip_ratio_region", "clip"))
-    return {short: f"{m[k]:.3f}" for k, short in keys if k in m}
+def _write_completions(run: Run, log: MetricsLog) -> None:
+    """The step's completions (``run.sample``) to completions.jsonl and the trackers; the first few to the log."""
+    columns, rows = completion_table(run.sample, [reward_name(f) for f in run.reward_funcs])
+    log.write_completions(run.step, columns, rows)
+    log_completions(run.step, columns, rows, run.config.num_completions_to_print)
+    run.sample = None
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
@@ -334,7 +346,8 @@ def _save_before_failed_step(run: Run, ckpt_dir: Path, sampler_state: dict, rng_
 
 # options a resumed run may change; any other difference from the checkpoint's config is refused
 RESUMABLE_CHANGES = {"steps", "output_dir", "progress", "plot", "save_every", "keep_checkpoints", "resume",
-                     "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl",
+                     "overwrite", "log_every", "threads", "eval_size", "eval_dataset", "impl", "report_to",
+                     "run_name", "project", "log_completions_every", "num_completions_to_print",
                      "shared_prefix", "merge_lora", "vllm_gpu_memory_utilization", "vllm_kv_cache_mib",
                      "vllm_enable_sleep_mode", "tool_timeout", "tool_workers"}
 # (not sft_warmup_steps: a resumed run repeats the warm-up to rebuild the reference model, which must be the same)
@@ -378,8 +391,9 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
     changed = config_changes({**TrainConfig().to_dict(), **saved}, now, RESUMABLE_CHANGES)
     if changed:
         diff = ", ".join(changed)
-        raise ValueError(f"--resume: {path} was written by a run with other options ({diff}); resume with the same "
-                         f"options (only {', '.join(sorted(RESUMABLE_CHANGES))} may change) or start a new run")
+        raise ValueError(f"--resume: {path} was written by a run with other options ({diff}); leave those out "
+                         f"(--resume --output-dir alone continues with the run's own options: only "
+                         f"{', '.join(sorted(RESUMABLE_CHANGES))} may change) or start a new run")
     if state["step"] > run.config.steps:
         raise ValueError(f"TrainConfig.steps: {path} is at step {state['step']}, past --steps {run.config.steps}; "
                          f"resume with --steps {state['step']} or more (nothing was changed)")

@@ -27,7 +27,8 @@ from grpo_fast.train.shared_prefix import shared_prefix_forward, token_counts, u
 from grpo_fast.train import checkpoint as ckpt
 from grpo_fast.train import distributed as dist_
 from grpo_fast.train.config import TrainConfig
-from grpo_fast.train.data import PromptSampler, check_prompts, check_record_file, load_located_records
+from grpo_fast.train.data import (PromptSampler, check_prompts, check_record_file, load_located_records,
+                                  unknown_characters)
 from grpo_fast.train.engines import engine_of, resolve_rollout
 from grpo_fast.train.forward import completion_hidden, head_of, unwrap
 from grpo_fast.train.model import (attach_lora, autocast, check_context, check_head, context_length, frozen_copy,
@@ -72,6 +73,20 @@ class Run:
     engine: object | None = None  # the rollout engine (rollout.engine_of), built at the first generation
     agent: Agent | None = None  # the run's tools and environment (--tools, --environment), None without
     context: int | None = None  # the model's positions, which a multi-turn row must fit
+    sample: Sample | None = None  # the last step's completions when it logs them (--log-completions-every), rank 0
+
+
+@dataclass
+class Sample:
+    """A step's completions as ``--log-completions-every`` logs them: this rank's prompts (as the reward functions
+    saw them) and completions, group by group; each reward function's scores ``[n, F]`` (NaN: unscored), their
+    weighted total ``[n]`` and the advantages ``[n]``."""
+
+    prompts: list
+    completions: list
+    rewards: torch.Tensor
+    total: torch.Tensor
+    advantages: torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------ the step
@@ -114,6 +129,11 @@ def train_step(run: Run) -> dict:
                 _accumulate(sums, k, v / cfg.mu)
     run.step += 1
     combined = weighted_reward(run, rewards.cpu())
+    run.sample = None
+    if cfg.log_completions_every and run.step % cfg.log_completions_every == 0 and world.is_main:
+        mine = slice(world.rank * n_local, (world.rank + 1) * n_local)
+        run.sample = Sample([r[cfg.prompt_column] for r in scored for _ in range(cfg.group_size)], list(completions),
+                            rewards[mine].cpu(), combined[mine], advantages.cpu())
     length_sum, rows = dist_.sum_across([float(ro.completion_lengths.sum()), float(n_local)], world, run.device)
     return {
         "step": run.step,
@@ -325,6 +345,7 @@ def _micro_batch_loss(model, run: Run, ro: Rollout, rows, pcols, tcols, advantag
 
 
 def setup(config: TrainConfig) -> Run:
+    check_dataset_files(config)  # a mistyped --dataset in a second, before the devices, imports and the model
     device = dist_.local_device(resolve_device(config.device))
     dtype = resolve_dtype(config.dtype, device)
     try:  # before the model loads: --impl triton on a CPU is known at once
@@ -355,6 +376,8 @@ def setup(config: TrainConfig) -> Run:
     train_located, eval_located = located_datasets(config)
     tokenizer = tokenizer_of(config)
     longest = check_dataset_prompts(config, train_located + eval_located, tokenizer)
+    if world.is_main:
+        warn_unknown_characters(config, train_located + eval_located, tokenizer)
     check_context(config, saved_model_config(config), longest, engine)
     ckpt.seed_rngs(config.seed)  # Python's, numpy's and torch's: a reward function may draw from any
     # full fine-tuning keeps float32 master weights; with LoRA the frozen base is stored in the compute dtype
@@ -389,12 +412,13 @@ def setup(config: TrainConfig) -> Run:
     n_train = sum(p.numel() for p in params)
     logger.info(
         "model %s: %s, %.2fM parameters (%.2fM trained, float32 master weights%s; optimizer %s), compute %s on %s (%d "
-        "CPU threads%s); fused-loss kernel path: %s; shared-prefix forward: %s; reference model: %s; rewards: %s; %d "
+        "CPU thread%s%s); fused-loss kernel path: %s; shared-prefix forward: %s; reference model: %s; rewards: %s; %d "
         "training prompts, %d held-out",
         config.model, type(unwrap(model)).__name__, n_params / 1e6, n_train / 1e6,
         f"; the base's linear layers in 4 bits ({config.bnb_4bit_quant_type})" if config.load_in_4bit else "",
         config.optim, dtype, device,
-        torch.get_num_threads(), f"; {world.size} processes, {world.strategy}" if world.distributed else "",
+        torch.get_num_threads(), "" if torch.get_num_threads() == 1 else "s",
+        f"; {world.size} processes, {world.strategy}" if world.distributed else "",
         impl, ("off" if not shared_ok else "on" if config.shared_prefix == "on"
                                         else f"auto (when it saves >= {SHARED_PREFIX_MIN_SAVING}x tokens)"),
         "adapters disabled" if config.lora_r else ("frozen copy" if ref_model is not None else "none (beta=0)"),
@@ -444,6 +468,36 @@ def located_datasets(config: TrainConfig) -> tuple[list[tuple[str, dict]], list[
         evaluation = load_located_records(config.eval_dataset, prompt_column=config.prompt_column, required=needs,
                                           limit=config.eval_size, option="TrainConfig.eval_dataset")
     return train, evaluation
+
+
+def check_dataset_files(config: TrainConfig) -> None:
+    """The files ``--dataset`` and ``--eval-dataset`` name are there and of a supported type (the errors name the
+    option); :func:`located_datasets` reads them later."""
+    if not config.dataset.startswith("builtin:"):
+        check_record_file(config.dataset, "TrainConfig.dataset")
+    if config.eval_dataset:
+        check_record_file(config.eval_dataset, "TrainConfig.eval_dataset")
+
+
+def warn_unknown_characters(config: TrainConfig, located: list[tuple[str, dict]], tokenizer) -> None:
+    """One warning, before training, naming the characters of the prompts (and answers) that the tokenizer reads as
+    its unknown token, with how often each occurs: the model sees them all as one token and can never write them
+    (the tiny model's 20-token vocabulary has no ``+``, ``-`` or ``*``: docs/train.md)."""
+    columns = [config.prompt_column]
+    if located and "answer" in located[0][1] and config.prompt_column != "answer":
+        columns.append("answer")
+    found = unknown_characters(located, tokenizer, columns, config.system_prompt)
+    if not found:
+        return
+    def show(chars: dict[str, int]) -> str:
+        shown = ", ".join(f"{c!r} x{n}" for c, n in list(chars.items())[:16])
+        return shown + (f" and {len(chars) - 16} more" if len(chars) > 16 else "")
+
+    whose = ("the tiny model's character tokenizer (its vocabulary: docs/train.md, \"The tiny model's tokenizer\")"
+             if config.model == "tiny" else f"the tokenizer of {config.tokenizer or config.model}")
+    logger.warning("%s reads these characters of the dataset as %s, which the model cannot tell apart or write: %s",
+                   whose, tokenizer.unk_token,
+                   "; ".join(f"{len(chars)} in column {column!r} ({show(chars)})" for column, chars in found.items()))
 
 
 def check_dataset_prompts(config: TrainConfig, located: list[tuple[str, dict]], tokenizer) -> tuple[str, int] | None:
