@@ -51,6 +51,7 @@ from packaging.version import Version
 
 from grpo_fast.bnb_layout import keep_training_layout
 from grpo_fast.config import GRPOLossConfig, LossType
+from grpo_fast.integrations import heads
 from grpo_fast.logprobs import fused_logprobs
 from grpo_fast.loss import grpo_loss, grpo_loss_from_logps, micro_batch_scale
 
@@ -108,7 +109,7 @@ class FastGRPOTrainer(GRPOTrainer):
         # a 4-bit base never repacks itself for CPU inference (an eval pass would leave it unable to train)
         keep_training_layout(self.model, "FastGRPOTrainer model")
         self._softcap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
-        self._logit_scale = _logit_scale(self.model.config.get_text_config())
+        self._logit_scale = heads.logit_scale(self.model.config.get_text_config())
         try:
             self._loss_config()
         except (TypeError, ValueError) as exc:
@@ -434,21 +435,6 @@ class FastGRPOTrainer(GRPOTrainer):
 # The multimodal keys TRL's _compute_loss forwards to the model.
 _MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes",
                     "num_tiles", "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
-
-
-def _logit_scale(text_config) -> float:
-    """The logit multiplier TRL 1.16's fused head applies before softcap and temperature (``add_fused_lm_head``):
-    Cohere ``logit_scale``, ``output_multiplier``, Falcon-H1 ``lm_head_multiplier``, ``1 / logits_scaling`` (Granite,
-    MiniCPM3; HyperCLOVA X multiplies by it)."""
-    scale = getattr(text_config, "logit_scale", None)
-    if scale is None:
-        scale = getattr(text_config, "output_multiplier", None)
-    if scale is None:
-        scale = getattr(text_config, "lm_head_multiplier", None)
-    if scale is None and getattr(text_config, "logits_scaling", None) is not None:
-        scaling = text_config.logits_scaling
-        scale = scaling if text_config.model_type == "hyperclovax" else 1 / scaling
-    return 1.0 if scale is None else float(scale)
 
 
 def _config_refusals(args) -> list[str]:
