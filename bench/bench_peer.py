@@ -116,6 +116,11 @@ COUNTERPARTS = {
     "lr_schedule": ("lr_scheduler_type",),
     "progress": ("disable_tqdm",),
     "max_tool_calling_iterations": ("max_tool_calling_iterations",),
+    # experiment tracking: the same trackers, run name and project on both sides (the bench's default: none)
+    "report_to": ("report_to",),
+    "run_name": ("run_name",),
+    "project": ("project",),
+    "num_completions_to_print": ("num_completions_to_print",),
     "rollout": ("use_vllm", "vllm_mode"),  # both sample with their transformers loops here: hf / use_vllm=False
     **{name: (name,) for name in (
         "vllm_gpu_memory_utilization", "vllm_max_model_length", "vllm_tensor_parallel_size", "vllm_enable_sleep_mode",
@@ -171,6 +176,8 @@ NOT_MAPPED = {
     "tool_timeout": "TRL waits for a tool without a limit; the comparison's tools return at once",
     "tool_workers": "how many tool calls grpo-fast runs at once (speed); TRL runs them one after the other",
     "sft_warmup_steps": f"{REFUSED}: the warm-up runs before either trainer, both start from its saved model",
+    "log_completions_every": f"{REFUSED}: the bench logs no completion tables on either side (TRL: log_completions "
+                             "off, its default)",
 }
 
 # GRPOConfig fields without an option of ours whose TRL default is not what grpo-fast does
@@ -233,9 +240,11 @@ def trl_args(cfg, output_dir: str) -> dict:
         vllm_importance_sampling_clip_min=cfg.vllm_importance_sampling_clip_min,
         vllm_importance_sampling_clip_max=cfg.vllm_importance_sampling_clip_max,
         max_tool_calling_iterations=cfg.max_tool_calling_iterations,
+        report_to=list(cfg.report_to), run_name=cfg.run_name, project=cfg.project,
+        num_completions_to_print=cfg.num_completions_to_print,
         **TRL_PINNED,
         # bench plumbing: every step logged, nothing saved, no workers
-        logging_steps=1, report_to="none", save_strategy="no", dataloader_num_workers=0,
+        logging_steps=1, save_strategy="no", dataloader_num_workers=0,
     )
 
 
