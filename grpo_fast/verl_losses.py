@@ -31,8 +31,9 @@ LOSS_NAMES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov"
               "cispo")
 REFUSED = {
     "bypass_mode": "rollout-correction wiring around vanilla / REINFORCE (IS weights and rejection masks computed "
-                   "from verl's rollout_corr_helper), not a loss of its own; use grpo_fast.vanilla with verl's "
-                   "rollout_is_weights",
+                   "from verl's rollout_corr_helper), not a loss of its own; verl's bypass mode sets loss_mode to its "
+                   "own 'bypass_mode' whatever the config names, so a grpo_fast.* loss is not used there; outside "
+                   "bypass mode, grpo_fast.vanilla takes verl's rollout_is_weights",
 }
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 BATCH_INFO_KEYS = ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")

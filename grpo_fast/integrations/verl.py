@@ -24,12 +24,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 
 import torch
 
 from grpo_fast.integrations import heads
 
 BACKEND = "grpo_fast"
+TESTED_VERL = "0.9.1"
 IMPL_ENV = "GRPO_FAST_VERL_IMPL"  # fused_logprobs' impl: auto (default), triton or torch; read in each process
 LOSS_PREFIX = "grpo_fast."
 _HEAD_METHOD = "_grpo_fast_logprobs"
@@ -47,8 +49,12 @@ def install() -> None:
     global _installed
     if _installed:
         return
+    import verl
     from verl.models.transformers import monkey_patch
 
+    if verl.__version__ != TESTED_VERL:
+        logger.warning("grpo-fast: its verl backend and losses are tested with verl %s; this is verl %s",
+                       TESTED_VERL, verl.__version__)
     original = monkey_patch.patch_forward_with_backends
     monkey_patch.patch_forward_with_backends = _with_grpo_fast_backend(original)
     _register_losses()
@@ -57,9 +63,12 @@ def install() -> None:
 
 def _with_grpo_fast_backend(original):
     @functools.wraps(original)
-    def patch_forward_with_backends(model, use_fused_kernels: bool = False, fused_kernels_backend: str | None = None):
-        if not use_fused_kernels or fused_kernels_backend != BACKEND:
-            return original(model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend)
+    def patch_forward_with_backends(model, *args, **kwargs):
+        # verl 0.9.1's signature is (model, use_fused_kernels=False, fused_kernels_backend=None); anything else is
+        # handed to verl's own function as it came
+        bound = dict(zip(("use_fused_kernels", "fused_kernels_backend"), args), **kwargs)
+        if not bound.get("use_fused_kernels") or bound.get("fused_kernels_backend") != BACKEND:
+            return original(model, *args, **kwargs)
         model_type = getattr(model.config, "model_type", None)
         if model_type in _OWN_FORWARD_MODEL_TYPES:
             raise NotImplementedError(
@@ -101,8 +110,9 @@ def _impl() -> str:
     from grpo_fast.dispatch import IMPLS
 
     impl = os.environ.get(IMPL_ENV, "auto")
-    if impl not in IMPLS:
-        raise ValueError(f"{IMPL_ENV} must be one of {', '.join(IMPLS)}, got {impl!r}")
+    allowed = tuple(i for i in IMPLS if i != "reference")  # reference materialises the logits: not a backend
+    if impl not in allowed:
+        raise ValueError(f"{IMPL_ENV} must be one of {', '.join(allowed)}, got {impl!r}")
     return impl
 
 
@@ -124,6 +134,10 @@ def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Te
                           softcap=heads.softcap(text_config), return_entropy=True, impl=_impl())
 
 
+def _cloned_head_logprobs(head: torch.nn.Module, *args):
+    return tuple(t.clone() for t in _head_logprobs(head, *args))
+
+
 def _head_method(head: torch.nn.Module):
     """The lm_head's fused-log-prob method, registered once as an FSDP2 forward method when the head is an FSDP2
     unit of its own (untied heads under verl's wrap policy); a plain call otherwise."""
@@ -134,7 +148,7 @@ def _head_method(head: torch.nn.Module):
         if isinstance(head, FSDPModule):
             # the outputs leave as new tensors, not views: FSDP2 hooks its pre-backward on them, and an in-place op
             # on a view would drop the hook (FSDP2 warns "returned a view tensor")
-            setattr(head, _HEAD_METHOD, lambda *args: tuple(t.clone() for t in _head_logprobs(head, *args)))
+            setattr(head, _HEAD_METHOD, types.MethodType(_cloned_head_logprobs, head))
             register_fsdp_forward_method(head, _HEAD_METHOD)
         else:
             setattr(head, _HEAD_METHOD, _head_logprobs.__get__(head))
@@ -227,6 +241,8 @@ def _verl_loss(name: str):
                 rollout_is_weights=None):
         if config is None:
             raise ValueError(f"policy loss {LOSS_PREFIX + name!r}: config (verl's ActorConfig) is required")
+        if log_prob.dtype in (torch.bfloat16, torch.float16):  # the one-pass path computes in float32 or float64
+            log_prob = log_prob.float()
         return policy_loss(name, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode,
                            loss_params(config), rollout_is_weights=rollout_is_weights,
                            global_batch_info=dict(getattr(config, "global_batch_info", None) or {}))

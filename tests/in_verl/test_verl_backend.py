@@ -207,9 +207,28 @@ def test_vision_language_models_and_a_bad_impl_are_refused_by_name(monkeypatch):
     model = SimpleNamespace(config=SimpleNamespace(model_type="qwen2_vl"))
     with pytest.raises(NotImplementedError, match="model_type 'qwen2_vl'"):
         monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=gv.BACKEND)
+    with pytest.raises(NotImplementedError, match="model_type 'qwen2_vl'"):  # verl's arguments, given by position
+        monkey_patch.patch_forward_with_backends(model, True, gv.BACKEND)
     monkeypatch.setenv(gv.IMPL_ENV, "cuda")
-    with pytest.raises(ValueError, match="GRPO_FAST_VERL_IMPL must be one of auto, triton, torch, reference, got"):
+    with pytest.raises(ValueError, match="GRPO_FAST_VERL_IMPL must be one of auto, triton, torch, got 'cuda'"):
         gv._impl()
+    monkeypatch.setenv(gv.IMPL_ENV, "reference")  # the materialised logits: never the backend
+    with pytest.raises(ValueError, match="got 'reference'"):
+        gv._impl()
+
+
+def test_a_verl_other_than_the_tested_one_is_named(monkeypatch, caplog):
+    import logging
+
+    import verl
+    from verl.models.transformers import monkey_patch
+
+    monkeypatch.setattr(verl, "__version__", "0.10.0")
+    monkeypatch.setattr(gv, "_installed", False)
+    monkeypatch.setattr(monkey_patch, "patch_forward_with_backends", monkey_patch.patch_forward_with_backends)
+    with caplog.at_level(logging.WARNING, logger=gv.__name__):
+        gv.install()
+    assert "tested with verl 0.9.1; this is verl 0.10.0" in caplog.text
 
 
 def test_refused_losses_say_why(batch):
@@ -238,21 +257,36 @@ def test_the_entry_point_installs_grpo_fast_on_import_verl_only():
 
 @pytest.mark.slow
 def test_through_a_ray_worker_group(model_dirs, batch):
-    """verl's RayWorkerGroup (use_gpu=False): the worker process imports verl, which loads the plugin there; the
-    log-probs are the in-process ones, bit for bit."""
-    import ray
+    """verl's RayWorkerGroup (use_gpu=False) of two ranks: each worker process imports verl, which loads the plugin
+    there; each rank holds half of every parameter, the untied head an FSDP2 unit of its own gathered around the
+    fused call: the log-probs are the in-process ones bit for bit, and one train_mini_batch gives verl's loss and
+    gradient norm by the rule."""
+    import copy
 
+    import ray
+    from verl.utils import tensordict_utils as tu
+
+    kw = dict(use_remove_padding=True, temperature=TEMPERATURE, use_fused_kernels=True, fused_backend=gv.BACKEND)
     H.ray_init(num_cpus=2)
     try:
-        group = H.make_ray_actor(model_dirs[False], use_remove_padding=True, temperature=TEMPERATURE,
-                                 use_fused_kernels=True, fused_backend=gv.BACKEND)
-        lp, ent = H.infer(group, batch)
+        two = H.make_ray_actor(model_dirs[False], world_size=2, **kw)
+        assert "lm_head" in two.group.fsdp_unit_names()[0]
+        td = H.infer_tensordict(batch, TEMPERATURE)
+        tu.assign_non_tensor(td, micro_batch_size_per_gpu=len(batch) // 2)
+        lp2, ent2 = H._unpack_infer(two.group.infer_batch(copy.copy(td)).get(), td)
+        out = two.group.train_mini_batch(copy.copy(H.train_tensordict(batch, TEMPERATURE, n_micro=2)))
+        out = out.get() if hasattr(out, "get") and not isinstance(out, dict) else out
+        metrics = tu.get(out[0] if isinstance(out, list) else out, "metrics")
     finally:
         ray.shutdown()
-    local = H.make_actor(model_dirs[False], use_remove_padding=True, temperature=TEMPERATURE,
-                         use_fused_kernels=True, fused_backend=gv.BACKEND)
-    lp0, ent0 = H.infer(local, batch)
-    assert torch.equal(lp, lp0) and torch.equal(ent, ent0)
+    lp0, ent0 = H.infer(H.make_actor(model_dirs[False], **kw), batch)
+    assert torch.equal(lp2, lp0) and torch.equal(ent2, ent0)
+    ref64, verl32 = verl_runs(model_dirs[False], batch, True)
+    for key in ("loss", "grad_norm"):
+        assert_close_rule(torch.tensor(float(metrics[key][0]), dtype=torch.float64),
+                          *(torch.tensor(r[2][key], dtype=torch.float64) for r in (verl32, ref64)), torch.float32,
+                          f"two ranks: {key}")
+
 
 
 def _gemma2():
