@@ -19,6 +19,14 @@ def logit_scale(text_config) -> float:
     return 1.0 if scale is None else float(scale)
 
 
+def scaled(hidden, bias, scale: float):
+    """``(hidden, bias)`` with the logit scale folded in: ``(s h) W^T + s b = s (h W^T + b)``, so the lm_head matmul
+    gives the scaled logits without a ``[N, V]`` multiply."""
+    if scale == 1.0:
+        return hidden, bias
+    return hidden * scale, None if bias is None else bias * scale
+
+
 def softcap(text_config) -> float | None:
     """``final_logit_softcapping`` (Gemma 2, ...), applied after the scale and before the temperature; None: off."""
     return getattr(text_config, "final_logit_softcapping", None)

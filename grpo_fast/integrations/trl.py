@@ -243,9 +243,7 @@ class FastGRPOTrainer(GRPOTrainer):
         hidden = hidden.to(weight.device, dtype)
         weight = weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
-        if self._logit_scale != 1.0:  # TRL's fused head scales the logits before softcap and temperature
-            hidden = hidden * self._logit_scale
-            bias = None if bias is None else bias * self._logit_scale
+        hidden, bias = heads.scaled(hidden, bias, self._logit_scale)  # TRL's fused head: before softcap, temperature
         return hidden, weight, bias, torch.autocast(device_type, enabled=False)
 
     def _get_per_token_logps_and_entropies(

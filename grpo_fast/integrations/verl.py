@@ -126,10 +126,7 @@ def _head_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Te
     weight, bias = head.weight, getattr(head, "bias", None)
     if hidden.dtype != weight.dtype:  # verl's mixed precision may leave the last norm's output in float32
         hidden = hidden.to(weight.dtype)
-    scale = heads.logit_scale(text_config)
-    if scale != 1.0:  # (s h) W^T + s b = s (h W^T + b)
-        hidden = hidden * scale
-        bias = None if bias is None else bias * scale
+    hidden, bias = heads.scaled(hidden, bias, heads.logit_scale(text_config))
     return fused_logprobs(hidden, weight, labels.to(torch.int64), bias=bias, temperature=float(temperature),
                           softcap=heads.softcap(text_config), return_entropy=True, impl=_impl())
 
@@ -151,7 +148,7 @@ def _head_method(head: torch.nn.Module):
             setattr(head, _HEAD_METHOD, types.MethodType(_cloned_head_logprobs, head))
             register_fsdp_forward_method(head, _HEAD_METHOD)
         else:
-            setattr(head, _HEAD_METHOD, _head_logprobs.__get__(head))
+            setattr(head, _HEAD_METHOD, types.MethodType(_head_logprobs, head))
         method = getattr(head, _HEAD_METHOD)
     return method
 
