@@ -169,6 +169,7 @@ NOT_MAPPED = {
     "loss.temperature": "set by grpo-fast's trainer from TrainConfig.temperature, which maps",
     "loss.max_completion_length": "set by grpo-fast's trainer from TrainConfig.max_new_tokens, which maps",
     "loss.softcap": "the model's final_logit_softcapping, read by both from the same model",
+    "loss.dro_beta": "only with loss_type dro, which TRL 1.16 lacks (trl_args refuses the loss types TRL lacks)",
     "vllm_kv_cache_mib": "vllm only (TRL sizes vLLM's memory by vllm_gpu_memory_utilization alone)",
     "tools": "GRPOTrainer(tools=...): the same functions (build_trl_trainer's trainer_kwargs)",
     "environment": "GRPOTrainer(environment_factory=...): the same class (build_trl_trainer's trainer_kwargs)",
@@ -209,6 +210,9 @@ def trl_args(cfg, output_dir: str) -> dict:
     if cfg.rollout not in ("auto", "hf"):
         raise ValueError(f"bench_peer: both trainers sample with their own transformers loops (rollout hf, TRL's "
                          f"use_vllm=False); got rollout={cfg.rollout!r}")
+    if not cfg.loss.loss_type.in_trl:
+        raise ValueError(f"bench_peer: loss_type={cfg.loss.loss_type.value!r} is not one of TRL 1.16's loss types "
+                         f"(it comes from verl's registry)")
     dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     accumulation = rows // cfg.micro_batch_size
     loss = cfg.loss

@@ -193,10 +193,13 @@ def _loss_launches():
     for dtype, (tt, aligned), lt, level, full in itertools.product(
             (torch.float32, torch.float64), ((1024, True), (1, True), (1023, False)), list(LossType),
             ("token", "sequence"), (False, True)):
+        if level == "sequence" and not lt.allows_sequence_level:
+            continue
         config = GRPOLossConfig(loss_type=lt, importance_sampling_level=level, beta=0.04 if full else 0.0,
-                                delta=2.0 if full and LossType(lt).is_clip_family else None,
+                                delta=2.0 if full and (lt.is_clip_family or lt.is_dppo) else None,
                                 top_entropy_quantile=0.5 if full else 1.0,
-                                epsilon_high=5.0 if lt == LossType.CISPO else None)
+                                epsilon_high=5.0 if lt == LossType.CISPO else None,
+                                dro_beta=0.1 if lt == LossType.DRO else None)
 
         def run(dtype=dtype, tt=tt, aligned=aligned, config=config, full=full):
             f = lambda *shape: _meta(shape, dtype, 0 if aligned else 1)  # noqa: E731

@@ -58,15 +58,15 @@ def _validate_loss_inputs(fn, B, T, device, advantages, completion_mask, old_log
 def _to_output(loss, logps, metrics, config: GRPOLossConfig, has_entropy: bool) -> LossOutput:
     # the custom op's outputs all carry autograd history; the metrics are documented as detached
     kl, entropy, low, high, region = (m.detach() for m in metrics)
-    lt = config.loss_type
+    has_low, has_high, has_region = config.loss_type.clip_metrics
     return LossOutput(
         loss=loss,
         per_token_logps=logps.detach(),
         kl=kl if config.beta != 0.0 else None,
         entropy=entropy if has_entropy else None,
-        clip_ratio_low=low if lt.is_clip_family else None,
-        clip_ratio_high=high if lt.is_clip_family or lt == LossType.CISPO else None,
-        clip_ratio_region=region if lt.is_clip_family else None,
+        clip_ratio_low=low if has_low else None,
+        clip_ratio_high=high if has_high else None,
+        clip_ratio_region=region if has_region else None,
     )
 
 
@@ -114,10 +114,11 @@ def grpo_loss(
     per generation (the ratio is 1, its gradient is not). Values: old_logps and ref_logps must be log-probabilities
     (finite and <= ``checks.LOGPROB_SLACK``) where completion_mask is 1, anything at padding; sampling_ratio finite
     and >= 0 everywhere; for dr_grpo no token may be counted past ``config.max_completion_length`` columns.
-    ``num_items_in_batch``: the token denominator of dapo/cispo/vespo (None: this micro-batch's masked tokens; values
-    below 1 count as 1); pass the global count so gradient accumulation matches one large batch. It must be finite
-    and > 0: a Python or numpy number (checked for free) or a one-element tensor (checked on the host: one device sync
-    for a CUDA tensor; see ``grpo_fast.checks.check_count``). Returns ``LossOutput``.
+    ``num_items_in_batch``: the token denominator of dapo/cispo/vespo and of verl's dppo_tv/dppo_kl/gpg/dro
+    (``LossType.divides_by_num_items``; None: this micro-batch's masked tokens; values below 1 count as 1); pass the
+    global count so gradient accumulation matches one large batch. It must be finite and > 0: a Python or numpy
+    number (checked for free) or a one-element tensor (checked on the host: one device sync for a CUDA tensor; see
+    ``grpo_fast.checks.check_count``). Returns ``LossOutput``.
 
     float16 hidden and weight: the lm_head matmul runs in float16, so logits beyond +-65504 give a NaN loss, without
     an error (see ``fused_logprobs``: finding it would cost a device sync after the op).
@@ -196,11 +197,12 @@ def micro_batch_scale(loss_type: LossType | str, row_share: float, token_weight:
     """The weight of one micro-batch's ``grpo_loss`` under gradient accumulation, so that the accumulated gradient is
     the whole batch's (TRL's scaling).
 
-    The losses that divide by ``num_items_in_batch`` (dapo, cispo, vespo: ``LossType.divides_by_num_items``) are
-    already weighted when it is the whole batch's token count: 1. bnpo's token mean of the micro-batch counts with
-    ``token_weight`` (TRL's ``1 / gradient_accumulation_steps``; a trainer may weight it by its share of the batch's
-    tokens instead); the per-sequence means (grpo, sapo, dr_grpo, luspo) with ``row_share``, the micro-batch's share
-    of the batch's rows (TRL's ``1 / gradient_accumulation_steps``, its micro-batches being of one size).
+    The losses that divide by ``num_items_in_batch`` (dapo, cispo, vespo, dppo_tv, dppo_kl, gpg, dro:
+    ``LossType.divides_by_num_items``) are already weighted when it is the whole batch's token count: 1. bnpo's token
+    mean of the micro-batch counts with ``token_weight`` (TRL's ``1 / gradient_accumulation_steps``; a trainer may
+    weight it by its share of the batch's tokens instead); the per-sequence means (grpo, sapo, dr_grpo, luspo) with
+    ``row_share``, the micro-batch's share of the batch's rows (TRL's ``1 / gradient_accumulation_steps``, its
+    micro-batches being of one size).
     """
     loss_type = LossType(loss_type)
     if loss_type.divides_by_num_items:

@@ -4,7 +4,8 @@ Every loss type's gradient w.r.t. ``logp`` is one scalar per token, so the forwa
 ``d loss / d logp`` (and ``d loss / d entropy``) in one elementwise pass and saves only those two ``[B, T]`` tensors.
 Autograd through the reference instead saves a dozen ``[B, T]`` intermediates.
 
-Semantics are TRL 1.16's (``grpo_fast.reference.loss_from_logps_reference``), including autograd's tie rule for
+Semantics are TRL 1.16's, and verl 0.9.1's per-token terms for dppo_tv, dppo_kl, gpg and dro
+(``grpo_fast.reference.loss_from_logps_reference``), including autograd's tie rule for
 ``torch.min`` (half the gradient to each side on a tie) and clamp's (the gradient passes at the bounds), with one
 deliberate difference: masked positions are selected out with ``where`` rather than multiplied by 0, so garbage at
 padding (e.g. ``exp(ref - logp) = inf``) never turns the loss into NaN.
@@ -98,12 +99,54 @@ def _vespo_term(config, adv, logp, log_w):
     return -phi * adv * logp, torch.zeros_like(logp), -phi * adv
 
 
+def _dppo_tv_valid(config, adv, logp, old):
+    """verl's dppo_tv trust region (``compute_policy_loss_dppo_tv``): with ``p = exp(logp)``, ``p - p_old <=
+    eps_high`` where A > 0, ``p - p_old >= -epsilon_low`` elsewhere (verl's clip_ratio_high / low). ``[B, T]`` bool."""
+    diff = torch.exp(logp) - torch.exp(old)
+    return torch.where(adv > 0, diff <= config.eps_high, diff >= -config.epsilon_low)
+
+
+def _dppo_kl_valid(config, adv, logp, old):
+    """verl's dppo_kl trust region (``compute_policy_loss_dppo_kl``): the binary KL ``p_old (old - logp) + (1 - p_old)
+    log((1 - p_old + 1e-8) / (1 - p + 1e-8))`` at most eps_high where A > 0 (or p <= p_old), at most epsilon_low
+    elsewhere (or p >= p_old). ``[B, T]`` bool."""
+    prob, old_prob = torch.exp(logp), torch.exp(old)
+    binary_kl = old_prob * (old - logp) + (1 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+    pos = (binary_kl <= config.eps_high) | (prob <= old_prob)
+    neg = (binary_kl <= config.epsilon_low) | (prob >= old_prob)
+    return torch.where(adv > 0, pos, neg)
+
+
+def _dppo_term(config, log_ratio, adv, logp, valid):
+    """``-A * min(r, cap).detach() * logp`` on the trust region's tokens, ``r = exp(clamp(log_ratio, -20, 20))``
+    (verl's clamp), ``cap`` = delta or verl's 20.0: the truncated ratio is a constant."""
+    c = torch.clamp(torch.exp(log_ratio.clamp(-20.0, 20.0)), max=config.dppo_cap)
+    coef = -adv * c * valid.to(logp.dtype)
+    return coef * logp, torch.zeros_like(logp), coef
+
+
+def _gpg_term(adv, logp):
+    """verl's gpg: ``-A * logp``."""
+    return -logp * adv, torch.zeros_like(logp), -adv
+
+
+def _dro_term(config, adv, logp, log_ratio):
+    """verl's dro: ``-(A logp - 0.5 dro_beta (logp - old)^2)``."""
+    beta = config.dro_beta
+    return -(logp * adv - 0.5 * beta * log_ratio.square()), torch.zeros_like(logp), -(adv - beta * log_ratio)
+
+
 def _kl_term(config, diff, r, l, dl_dr, dl_dlogp):
     """Adds ``beta`` x the k3 KL (``diff = ref - logp``), times r with the bias correction, to the token's loss ``l``
     and its partials; returns the KL and the three sums."""
     e = torch.exp(diff)
     kl0, dkl0 = e - diff - 1, 1 - e
-    if config.use_bias_correction_kl:
+    if config.use_bias_correction_kl and not config.sequence_level:
+        # d(kl0 r) / d logp = (dkl0 + kl0) r = -diff r, summed here: apart, the two exp(diff) terms (exp(50) ~ 5e21)
+        # cancel in floats and leave their rounding error, orders of magnitude above the gradient
+        kl = kl0 * r
+        dl_dlogp = dl_dlogp + config.beta * (-diff) * r
+    elif config.use_bias_correction_kl:  # the sequence's ratio: its part goes through d r_b / d logp_t
         kl = kl0 * r
         dl_dr = dl_dr + config.beta * kl0
         dl_dlogp = dl_dlogp + config.beta * dkl0 * r
@@ -136,7 +179,7 @@ def loss_scale(config: GRPOLossConfig, m: torch.Tensor, num_items_in_batch) -> t
         return torch.full((), 1.0 / (B * (config.max_completion_length or T)), dtype=m.dtype, device=m.device)
     if loss_type == LossType.LUSPO:
         return torch.full((), 1.0 / B, dtype=m.dtype, device=m.device)
-    if num_items_in_batch is None:  # DAPO, CISPO, VESPO
+    if num_items_in_batch is None:  # divides_by_num_items: dapo, cispo, vespo, dppo_tv, dppo_kl, gpg, dro
         return 1.0 / m.sum().clamp(min=1.0)
     if isinstance(num_items_in_batch, torch.Tensor):
         count = num_items_in_batch.to(dtype=m.dtype, device=m.device).reshape(())
@@ -192,6 +235,13 @@ def grpo_loss_terms(
         policy, dP_dr, dP_dlogp = _cispo_term(config, r, adv, logp)
     elif loss_type == LossType.SAPO:
         policy, dP_dr, dP_dlogp = _sapo_term(config, r, adv)
+    elif loss_type.is_dppo:
+        valid = (_dppo_tv_valid if loss_type == LossType.DPPO_TV else _dppo_kl_valid)(config, adv, logp, old)
+        policy, dP_dr, dP_dlogp = _dppo_term(config, log_ratio, adv, logp, valid)
+    elif loss_type == LossType.GPG:
+        policy, dP_dr, dP_dlogp = _gpg_term(adv, logp)
+    elif loss_type == LossType.DRO:
+        policy, dP_dr, dP_dlogp = _dro_term(config, adv, logp, log_ratio)
     else:  # vespo
         policy, dP_dr, dP_dlogp = _vespo_term(config, adv, logp, _vespo_log_weight(log_ratio, mask, sampling_ratio))
 
@@ -213,10 +263,13 @@ def grpo_loss_terms(
     loss = torch.where(mask, w * l, 0.0).sum()
     g_r = torch.where(mask, w * dl_dr, 0.0)  # d loss / d r_t (per position)
     dlogp = torch.where(mask, w * dl_dlogp, 0.0)
-    if config.sequence_level:
+    # otherwise g_r is 0: nothing is differentiated through r (and 0 * r would be NaN where r overflows)
+    through_r = loss_type.policy_through_ratio or (
+        config.beta != 0.0 and config.use_bias_correction_kl and config.sequence_level)
+    if through_r and config.sequence_level:
         # r_b = exp(sum_t m_t (logp_t - old_t) / len_b): d r_b / d logp_t = r_b * m_t / len_b
         dlogp = dlogp + (g_r * r).sum(-1, keepdim=True) * m / lengths
-    else:
+    elif through_r:
         dlogp = dlogp + g_r * r
 
     dentropy = None
@@ -238,6 +291,9 @@ def grpo_loss_terms(
         low, high, region = ratio_mean(is_low), ratio_mean(is_high), ratio_mean(is_low | is_high)
     elif loss_type == LossType.CISPO:
         high = ratio_mean(_cispo_flag(config, r, adv))
+    elif loss_type.is_dppo:  # token level only: outside the trust region with A < 0, A > 0, at all
+        outside = ~valid
+        low, high, region = masked_mean(outside & (adv < 0)), masked_mean(outside & (adv > 0)), masked_mean(outside)
     return LossTerms(
         loss,
         dlogp,

@@ -87,7 +87,8 @@ def loss_from_logps_reference(
     """TRL's ``_compute_loss`` from per-token log-probs ``[B, T]``, with autograd through every step.
 
     Gradient-accumulation scaling is left to the caller, so this equals TRL with GA = 1, one process and, for
-    dapo/cispo/vespo, ``num_items_in_batch`` as passed (None -> the micro-batch's token count).
+    dapo/cispo/vespo, ``num_items_in_batch`` as passed (None -> the micro-batch's token count). dppo_tv, dppo_kl, gpg
+    and dro are verl 0.9.1's per-token terms (``verl/trainer/ppo/core_algos.py``) on the same path, divided like dapo.
     """
     dtype = logps.dtype
     mask = completion_mask.to(dtype)
@@ -121,6 +122,24 @@ def loss_from_logps_reference(
     elif loss_type == LossType.SAPO:
         tau = torch.where(adv > 0, config.sapo_temperature_pos, config.sapo_temperature_neg)
         per_token_loss = -torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau * adv
+    elif loss_type.is_dppo:  # verl 0.9.1 compute_policy_loss_dppo_tv / _kl (clip_ratio_low / high: epsilon / high)
+        ratio = torch.exp(torch.clamp(log_ratio, min=-20.0, max=20.0))  # verl clamps the log-ratio "for stability"
+        truncated = torch.clamp(ratio, max=config.dppo_cap).detach()  # delta, or verl's default clip_ratio_c 20
+        prob, old_prob = torch.exp(logps), torch.exp(old)
+        if loss_type == LossType.DPPO_TV:
+            pos = (prob - old_prob) <= config.eps_high
+            neg = (prob - old_prob) >= -config.epsilon_low
+        else:
+            binary_kl = old_prob * (old - logps) + (1 - old_prob) * torch.log(
+                (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+            pos = (binary_kl <= config.eps_high) | (prob <= old_prob)
+            neg = (binary_kl <= config.epsilon_low) | (prob >= old_prob)
+        dppo_valid = torch.where(adv > 0, pos, neg).detach()
+        per_token_loss = -adv * truncated * logps * dppo_valid.to(dtype)
+    elif loss_type == LossType.GPG:  # verl 0.9.1 compute_policy_loss_gpg
+        per_token_loss = -logps * adv
+    elif loss_type == LossType.DRO:  # verl 0.9.1 compute_policy_loss_dro
+        per_token_loss = -(logps * adv - 0.5 * config.dro_beta * log_ratio.square())
     else:  # VESPO
         ratio = None if sampling_ratio is None else sampling_ratio.to(dtype)
         phi = vespo_phi_reference(adv, log_ratio, mask, ratio, config)
@@ -143,7 +162,7 @@ def loss_from_logps_reference(
         loss = masked.sum() / (per_token_loss.shape[0] * max_len)
     elif loss_type == LossType.LUSPO:
         loss = masked.sum(-1).mean()
-    else:  # DAPO, CISPO, VESPO
+    else:  # divides_by_num_items: DAPO, CISPO, VESPO, DPPO_TV, DPPO_KL, GPG, DRO (verl's "token-mean")
         if num_items_in_batch is None:
             normalizer = mask.sum().clamp(min=1.0)
         else:
@@ -176,6 +195,9 @@ def loss_from_logps_reference(
         low, high, region = ratio_mean(is_low), ratio_mean(is_high), ratio_mean(is_low | is_high)
     elif loss_type == LossType.CISPO:
         high = ratio_mean((coef_1 > config.eps_high) & (adv > 0))
+    elif loss_type.is_dppo:  # outside the trust region with A < 0, A > 0, at all (verl's pg_clipfrac)
+        outside = ~dppo_valid
+        low, high, region = masked_mean(outside & (adv < 0)), masked_mean(outside & (adv > 0)), masked_mean(outside)
     return LossOutput(loss, logps.detach(), kl, ent, low, high, region)
 
 

@@ -1,6 +1,7 @@
 """GRPO per-token loss, ``d loss / d logp`` and metric sums for every loss type, one program per sequence.
 
-Computes what ``grpo_fast.loss_torch.grpo_loss_terms`` computes (TRL 1.16 semantics, docs/design.md §4): each program
+Computes what ``grpo_fast.loss_torch.grpo_loss_terms`` computes (TRL 1.16 semantics, and verl 0.9.1's per-token
+terms for dppo_tv, dppo_kl, gpg, dro: docs/design.md §4): each program
 owns one row b of the ``[B, T]`` inputs and walks T in BLOCK_T blocks, in up to three passes:
   1. the row's token count and, for sequence-level importance sampling / VESPO, the sums of log-ratios;
   2. per token: the ratio, the policy term, the KL, the weighted loss, ``d loss / d logp`` (direct part and
@@ -14,7 +15,9 @@ Specialisations. Each is a separate compile on the user's GPU (seconds) and in t
 (``bench/kernel_report.py``), so nothing that only selects a formula is a constexpr: the loss type, the
 importance-sampling level, the normalisation and every optional input are runtime ints (uniform branches: the whole
 program takes the same side, and this kernel is memory-bound), Triton does not specialise them
-(``do_not_specialize``), and absent tensors are never read. BLOCK_T is fixed, so T only masks; T keeps Triton's own
+(``do_not_specialize``), and absent tensors are never read. BLOCK_T is fixed per dtype (512 for float32, 256 for
+float64: at 2 float64 elements a thread the 8-warp launch's 128-register cap spilled on sm_90a, sm_100a, sm_120 once
+the verl losses' branches were added), so T only masks; T keeps Triton's own
 specialisation (divisible by 16: aligned row starts, vector loads; equal to 1: a constant). Per input dtype (float32,
 float64) the launcher therefore produces 3 specialisations: T % 16 == 0, T == 1, any other T (times 16-byte-aligned
 or unaligned pointers, which only a misaligned view brings; the launcher's own buffers are aligned).
@@ -42,6 +45,10 @@ CLIP = tl.constexpr(0)  # the clip family: grpo, bnpo, dr_grpo, dapo, luspo
 CISPO = tl.constexpr(1)
 SAPO = tl.constexpr(2)
 VESPO = tl.constexpr(3)
+DPPO_TV = tl.constexpr(4)
+DPPO_KL = tl.constexpr(5)
+GPG = tl.constexpr(6)
+DRO = tl.constexpr(7)
 # the columns of row_out: one row of partial sums per sequence, summed over B by the launcher
 ROW_LOSS = tl.constexpr(0)
 ROW_KL = tl.constexpr(1)
@@ -53,6 +60,7 @@ ROW_COLS = tl.constexpr(6)
 LOG_1E8 = tl.constexpr(math.log(1e-8))  # VESPO's lower clamp of log-weights (TRL: log(1e-8))
 # One tile width for every T, 512 over 8 warps: docs/kernels.md, "Tile choices" (why, and what the static gate found).
 BLOCK_T = 512
+BLOCK_T_FP64 = 256  # float64: 1 element a thread (at 2, the 8-warp launch's 128-register cap spills on sm_90a+)
 NUM_WARPS = 8
 SPECIALISATIONS_PER_DTYPE = 3  # T % 16 == 0, T == 1, any other T (see the header)
 
@@ -106,13 +114,59 @@ def _vespo_term(adv, logp, log_w, k_pos, lam_pos, k_neg, lam_neg):
 
 
 @triton.jit
-def _kl_term(diff, r, beta, bias_kl, loss, dl_dr, dl_dlogp):
+def _dppo_tv_valid(adv, logp, old, eps_low, eps_high):
+    """``loss_torch._dppo_tv_valid``: verl's dppo_tv trust region, ``p - p_old <= eps_high`` where A > 0,
+    ``p - p_old >= -eps_low`` elsewhere."""
+    diff = tl.exp(logp) - tl.exp(old)
+    return tl.where(adv > 0, diff <= eps_high, diff >= -eps_low)
+
+
+@triton.jit
+def _dppo_kl_valid(adv, logp, old, eps_low, eps_high, tiny):
+    """``loss_torch._dppo_kl_valid``: verl's dppo_kl trust region on the binary KL (``tiny``: verl's 1e-8, in the
+    compute dtype)."""
+    prob = tl.exp(logp)
+    old_prob = tl.exp(old)
+    binary_kl = old_prob * (old - logp) + (1.0 - old_prob) * tl.log((1.0 - old_prob + tiny) / (1.0 - prob + tiny))
+    pos = (binary_kl <= eps_high) | (prob <= old_prob)
+    neg = (binary_kl <= eps_low) | (prob >= old_prob)
+    return tl.where(adv > 0, pos, neg)
+
+
+@triton.jit
+def _dppo_term(log_ratio, adv, logp, valid, cap):
+    """``loss_torch._dppo_term``: ``-A * min(exp(clamp(log_ratio, -20, 20)), cap).detach() * logp`` on the trust
+    region's tokens (the truncated ratio is a constant)."""
+    c = tl.minimum(tl.exp(tl.minimum(tl.maximum(log_ratio, -20.0), 20.0)), cap)
+    coef = -adv * c * valid.to(adv.dtype)
+    return coef * logp, tl.zeros(adv.shape, adv.dtype), coef
+
+
+@triton.jit
+def _gpg_term(adv, logp):
+    """``loss_torch._gpg_term``: ``-A * logp``."""
+    return -logp * adv, tl.zeros(adv.shape, adv.dtype), -adv
+
+
+@triton.jit
+def _dro_term(adv, logp, log_ratio, dro_beta):
+    """``loss_torch._dro_term``: ``-(A logp - 0.5 dro_beta (logp - old)^2)``."""
+    policy = -(logp * adv - 0.5 * dro_beta * (log_ratio * log_ratio))
+    return policy, tl.zeros(adv.shape, adv.dtype), -(adv - dro_beta * log_ratio)
+
+
+@triton.jit
+def _kl_term(diff, r, beta, bias_kl, seq, loss, dl_dr, dl_dlogp):
     """``loss_torch._kl_term``: adds ``beta`` x the k3 KL (``diff = ref - logp``), times r with the bias correction, to
-    the token's loss and its partials; returns the KL and the three sums."""
+    the token's loss and its partials; returns the KL and the three sums. Token level: the bias-corrected gradient
+    ``(dkl0 + kl0) r = -diff r`` in one term (apart, the exp(diff) terms cancel to their rounding error)."""
     e = tl.exp(diff)
     kl0 = e - diff - 1.0
     dkl0 = 1.0 - e
-    if bias_kl != 0:
+    if (bias_kl != 0) & (seq == 0):
+        kl = kl0 * r
+        dl_dlogp += beta * (-diff) * r
+    elif bias_kl != 0:
         kl = kl0 * r
         dl_dr += beta * kl0
         dl_dlogp += beta * dkl0 * r
@@ -150,7 +204,7 @@ def _grpo_loss_kernel(
     row_out_ptr,  # [B, ROW_COLS] out: loss and metric partial sums per row
     T,
     B,
-    loss_type: tl.int32,  # CLIP, CISPO, SAPO or VESPO
+    loss_type: tl.int32,  # CLIP, CISPO, SAPO, VESPO, DPPO_TV, DPPO_KL, GPG or DRO
     seq_level: tl.int32,
     norm_global: tl.int32,  # 0: w = m / (len_b * B); 1: w = m * inv_norm
     has_old: tl.int32,
@@ -163,8 +217,9 @@ def _grpo_loss_kernel(
     # hyper-parameters as float64 kernel arguments (a plain Python float would reach the GPU as fp32)
     clip_low: tl.float64,  # 1 - epsilon_low
     clip_high: tl.float64,  # 1 + epsilon_high
+    eps_low: tl.float64,
     eps_high: tl.float64,
-    delta: tl.float64,  # +inf without delta
+    delta: tl.float64,  # +inf without delta; dppo: its cap on the ratio (GRPOLossConfig.dppo_cap)
     beta: tl.float64,
     tau_pos: tl.float64,
     tau_neg: tl.float64,
@@ -172,6 +227,7 @@ def _grpo_loss_kernel(
     lam_pos: tl.float64,
     k_neg: tl.float64,
     lam_neg: tl.float64,
+    dro_beta: tl.float64,
     BLOCK_T: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -192,6 +248,8 @@ def _grpo_loss_kernel(
     lam_neg = tl.full((), lam_neg, tl.float64).to(dtype)
     seq = seq_level != 0
     vespo = loss_type == VESPO
+    # LossType.policy_through_ratio, or the bias-corrected KL at sequence level: something goes through r
+    through_r = (loss_type == CLIP) | (loss_type == SAPO) | ((has_kl != 0) & (bias_kl != 0) & seq)
 
     # pass 1: token count, sum of log-ratios (sequence level), VESPO's clamped sums (loss_torch._vespo_log_weight)
     n_tok = tl.zeros((BLOCK_T,), dtype)
@@ -229,8 +287,11 @@ def _grpo_loss_kernel(
     # pass 2: per-token terms (loss_torch.grpo_loss_terms, step for step)
     loss_acc = tl.zeros((BLOCK_T,), dtype)
     kl_acc = tl.zeros((BLOCK_T,), dtype)
-    low_acc = tl.zeros((BLOCK_T,), dtype)
-    high_acc = tl.zeros((BLOCK_T,), dtype)
+    # the metric flags are counted in int32 (one register a lane, where float64 takes two: the float64 kernel
+    # spilled on sm_90a / sm_100a with them in the compute dtype)
+    low_acc = tl.zeros((BLOCK_T,), tl.int32)
+    high_acc = tl.zeros((BLOCK_T,), tl.int32)
+    region_acc = tl.zeros((BLOCK_T,), tl.int32)
     gr_acc = tl.zeros((BLOCK_T,), dtype)
     for t0 in range(0, T, BLOCK_T):
         offs = t0 + tl.arange(0, BLOCK_T)
@@ -245,24 +306,43 @@ def _grpo_loss_kernel(
             adv = tl.load(adv_ptr + base + offs, mask=inb, other=0.0)
         else:
             adv = zero + tl.load(adv_ptr + row)
+        lr = tl.where(m, logp - old, 0.0)
         if seq:
             r = zero + r_seq
         else:
-            r = tl.exp(tl.where(m, logp - old, 0.0))
+            r = tl.exp(lr)
 
         no_flag = zero != zero
         if loss_type == CLIP:
             policy, dp_dr, dp_dlogp = _clip_term(r, adv, clip_low, clip_high, delta)
             is_low, is_high = _clip_flags(r, adv, clip_low, clip_high, delta)
+            is_region = is_low | is_high
         elif loss_type == CISPO:
             policy, dp_dr, dp_dlogp = _cispo_term(r, adv, logp, eps_high)
-            is_low, is_high = no_flag, _cispo_flag(r, adv, eps_high)
+            is_low, is_high, is_region = no_flag, _cispo_flag(r, adv, eps_high), no_flag
         elif loss_type == SAPO:
             policy, dp_dr, dp_dlogp = _sapo_term(r, adv, tau_pos, tau_neg)
-            is_low, is_high = no_flag, no_flag
+            is_low, is_high, is_region = no_flag, no_flag, no_flag
+        elif (loss_type == DPPO_TV) | (loss_type == DPPO_KL):
+            # converted here, where read (kept out of the loop's live registers: the float64 kernel spills else)
+            eps_low_t = tl.full((), eps_low, tl.float64).to(dtype)
+            if loss_type == DPPO_TV:
+                valid = _dppo_tv_valid(adv, logp, old, eps_low_t, eps_high)
+            else:
+                tiny = tl.full((), 1e-8, tl.float64).to(dtype)  # verl's 1e-8, rounded as PyTorch rounds it
+                valid = _dppo_kl_valid(adv, logp, old, eps_low_t, eps_high, tiny)
+            policy, dp_dr, dp_dlogp = _dppo_term(lr, adv, logp, valid, delta)
+            is_region = valid == 0  # outside the trust region (low: with A < 0, high: with A > 0)
+            is_low, is_high = is_region & (adv < 0), is_region & (adv > 0)
+        elif loss_type == GPG:
+            policy, dp_dr, dp_dlogp = _gpg_term(adv, logp)
+            is_low, is_high, is_region = no_flag, no_flag, no_flag
+        elif loss_type == DRO:
+            policy, dp_dr, dp_dlogp = _dro_term(adv, logp, lr, tl.full((), dro_beta, tl.float64).to(dtype))
+            is_low, is_high, is_region = no_flag, no_flag, no_flag
         else:
             policy, dp_dr, dp_dlogp = _vespo_term(adv, logp, log_w, k_pos, lam_pos, k_neg, lam_neg)
-            is_low, is_high = no_flag, no_flag
+            is_low, is_high, is_region = no_flag, no_flag, no_flag
 
         mult = zero + 1.0  # entropy mask x sampling ratio scale the policy term only
         if has_ent_mask != 0:
@@ -279,20 +359,22 @@ def _grpo_loss_kernel(
         dl_dlogp = mult * dp_dlogp
         if has_kl != 0:
             ref = tl.load(ref_ptr + base + offs, mask=inb, other=0.0)
-            kl, loss_t, dl_dr, dl_dlogp = _kl_term(tl.where(m, ref - logp, 0.0), r, beta, bias_kl, loss_t, dl_dr,
-                                                   dl_dlogp)
+            kl, loss_t, dl_dr, dl_dlogp = _kl_term(tl.where(m, ref - logp, 0.0), r, beta, bias_kl, seq_level, loss_t,
+                                                   dl_dr, dl_dlogp)
             kl_acc += tl.where(m, kl, 0.0)
 
         loss_acc += tl.where(m, scale * loss_t, 0.0)
         g_r = tl.where(m, scale * dl_dr, 0.0)
         dlogp = tl.where(m, scale * dl_dlogp, 0.0)
-        if seq:
-            gr_acc += g_r * r
-        else:
-            dlogp += g_r * r
+        if through_r:  # else g_r is 0 (and 0 * r NaN where r overflows): loss_torch.grpo_loss_terms
+            if seq:
+                gr_acc += g_r * r
+            else:
+                dlogp += g_r * r
         tl.store(dlogp_ptr + base + offs, dlogp, mask=inb)
-        low_acc += tl.where(m, is_low.to(dtype), 0.0)
-        high_acc += tl.where(m, is_high.to(dtype), 0.0)
+        low_acc += (m & is_low).to(tl.int32)
+        high_acc += (m & is_high).to(tl.int32)
+        region_acc += (m & is_region).to(tl.int32)
 
     if seq:
         # pass 3: d r_b / d logp_t = r_b * m_t / len_b
@@ -304,9 +386,9 @@ def _grpo_loss_kernel(
             d = tl.load(dlogp_ptr + base + offs, mask=inb, other=0.0)
             tl.store(dlogp_ptr + base + offs, d + tl.where(m, coef, 0.0), mask=inb)
 
-    low_sum = tl.sum(low_acc, 0)
-    high_sum = tl.sum(high_acc, 0)
-    region_sum = low_sum + high_sum  # a token is low (A < 0) or high (A > 0), never both
+    low_sum = tl.sum(low_acc, 0).to(dtype)
+    high_sum = tl.sum(high_acc, 0).to(dtype)
+    region_sum = tl.sum(region_acc, 0).to(dtype)
     if seq & (adv_per_token == 0):
         # one flag per sequence (TRL logs the mean over sequences, all-masked ones included)
         adv_row = tl.load(adv_ptr + row)
@@ -331,7 +413,8 @@ def _loss_type_code(loss_type) -> int:
     """The kernel's ``loss_type`` argument for a ``LossType``."""
     if loss_type.is_clip_family:
         return CLIP.value
-    return {LossType.CISPO: CISPO, LossType.SAPO: SAPO, LossType.VESPO: VESPO}[loss_type].value
+    return {LossType.CISPO: CISPO, LossType.SAPO: SAPO, LossType.VESPO: VESPO, LossType.DPPO_TV: DPPO_TV,
+            LossType.DPPO_KL: DPPO_KL, LossType.GPG: GPG, LossType.DRO: DRO}[loss_type].value
 
 
 def _as_torch_where(value: float, low: float | None = None) -> float:
@@ -377,12 +460,14 @@ def grpo_loss_terms_triton(
         _loss_type_code(config.loss_type), int(config.sequence_level), int(norm_global), int(old is not None),
         int(config.beta != 0.0), int(config.use_bias_correction_kl), int(adv_per_token), int(ratio is not None),
         int(ratio is not None and ratio.shape[-1] == T and T != 1), int(ent_mask is not None),
-        1.0 - config.epsilon_low, 1.0 + config.eps_high, config.eps_high,
-        math.inf if config.delta is None else config.delta, config.beta,
+        1.0 - config.epsilon_low, 1.0 + config.eps_high, config.epsilon_low, config.eps_high,
+        config.dppo_cap if config.loss_type.is_dppo else math.inf if config.delta is None else config.delta,
+        config.beta,
         _as_torch_where(config.sapo_temperature_pos), _as_torch_where(config.sapo_temperature_neg),
         _as_torch_where(config.vespo_k_pos), _as_torch_where(config.vespo_lambda_pos, 1e-4),
         _as_torch_where(config.vespo_k_neg), _as_torch_where(config.vespo_lambda_neg, 1e-4),
-        BLOCK_T=BLOCK_T, num_warps=NUM_WARPS, num_stages=1,
+        0.0 if config.dro_beta is None else config.dro_beta,
+        BLOCK_T=BLOCK_T if dtype == torch.float32 else BLOCK_T_FP64, num_warps=NUM_WARPS, num_stages=1,
     )
     column = lambda col: row_out[:, col.value]  # noqa: E731  (col: a ROW_* constant)
     loss = column(ROW_LOSS).sum()
@@ -394,11 +479,10 @@ def grpo_loss_terms_triton(
 
     per_sequence = config.sequence_level and not adv_per_token
     ratio_mean = (lambda col: column(col).mean()) if per_sequence else (lambda col: column(col).sum() / tokens)
-    low = high = region = None
-    if config.loss_type.is_clip_family:
-        low, high, region = ratio_mean(ROW_LOW), ratio_mean(ROW_HIGH), ratio_mean(ROW_REGION)
-    elif config.loss_type == LossType.CISPO:
-        high = ratio_mean(ROW_HIGH)
+    has_low, has_high, has_region = config.loss_type.clip_metrics
+    low = ratio_mean(ROW_LOW) if has_low else None
+    high = ratio_mean(ROW_HIGH) if has_high else None
+    region = ratio_mean(ROW_REGION) if has_region else None
     kl = column(ROW_KL).sum() / tokens if config.beta != 0.0 else None
     ent = None if entropy is None else torch.where(mask, entropy, 0.0).sum() / tokens
     return LossTerms(loss, dlogp, dentropy, kl, ent, low, high, region)

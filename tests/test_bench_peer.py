@@ -16,7 +16,7 @@ import torch
 trl = pytest.importorskip("trl")
 
 from bench import bench_peer  # noqa: E402
-from grpo_fast.config import GRPOLossConfig  # noqa: E402
+from grpo_fast.config import GRPOLossConfig, LossType  # noqa: E402
 from grpo_fast.train.config import TRAINER_OWNED_LOSS_FIELDS, TrainConfig  # noqa: E402
 from grpo_fast.train.tasks import tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -107,6 +107,14 @@ def test_options_trl_cannot_reproduce_are_refused(option):
     name, value = option.split("=")
     with pytest.raises(ValueError, match=name):
         bench_peer.trl_args(bench_peer.default_config(3, 0, "unused", **{name: value}), "out")
+
+
+@pytest.mark.parametrize("loss_type", [t.value for t in LossType if not t.in_trl])
+def test_loss_types_trl_lacks_are_refused(loss_type):
+    extra = {"loss.dro_beta": 0.1} if loss_type == "dro" else {}
+    cfg = bench_peer.default_config(3, 0, "unused", **{"loss.loss_type": loss_type}, **extra)
+    with pytest.raises(ValueError, match=f"loss_type={loss_type!r} is not one of TRL"):
+        bench_peer.trl_args(cfg, "out")
 
 
 @pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])

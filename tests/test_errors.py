@@ -26,7 +26,7 @@ def batch():
     "field,value,match",
     [
         ("loss_type", "ppo", "loss_type must be one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', "
-                             "'vespo', got 'ppo'"),
+                             "'vespo', 'dppo_tv', 'dppo_kl', 'gpg', 'dro', got 'ppo'"),
         ("importance_sampling_level", "tok", "importance_sampling_level must be one of 'token', 'sequence'"),
         ("beta", -0.1, "beta must be >= 0.0, got -0.1"),
         ("epsilon", float("nan"), "epsilon must be a finite number"),

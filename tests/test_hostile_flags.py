@@ -168,7 +168,8 @@ def test_the_temperature_floor_gives_a_finite_loss_and_gradient(loss_type):
     type's loss and gradients are finite: the floor is inside what the arithmetic takes."""
     hidden, weight, y, adv = _batch(scale=100.0)
     hidden.requires_grad_(), weight.requires_grad_()
-    config = GRPOLossConfig(loss_type=loss_type, beta=0.04, temperature=MIN_TEMPERATURE)
+    config = GRPOLossConfig(loss_type=loss_type, beta=0.04, temperature=MIN_TEMPERATURE,
+                            dro_beta=0.3 if loss_type == LossType.DRO else None)
     with torch.no_grad():
         ref = fused_logprobs(hidden, weight, y, temperature=MIN_TEMPERATURE, impl="torch")
     out = grpo_loss(hidden, weight, y, adv, torch.ones(y.shape), ref_logps=ref, config=config, impl="torch")

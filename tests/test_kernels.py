@@ -63,7 +63,8 @@ def test_grpo_loss_triton_end_to_end(dtype, shape):
 def test_grpo_loss_triton_every_loss_type(loss_type, level):
     """Each loss type through both kernels, fp32, with KL and sampling ratios."""
     config = GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=0.04,
-                            epsilon_high=5.0 if loss_type == "cispo" else 0.28)
+                            epsilon_high=5.0 if loss_type == "cispo" else 0.28,
+                            dro_beta=0.3 if loss_type == LossType.DRO else None)
     _grpo_case(config, torch.float32, make_batch(B=3, T=37, H=32, V=301, seed=2, sampling="token"))
 
 
@@ -71,7 +72,8 @@ LOSS_KERNEL_GRID = [
     case for case in itertools.product(
         list(LossType), ["token", "sequence"], [(0.0, False), (0.04, True)], [None, 1.05], [None, "token", "sequence"],
         [(1.0, 0.0), (0.3, 0.01)], [False, True], [True, False])
-    if case[3] is None or case[0].is_clip_family
+    if (case[3] is None or case[0].is_clip_family or case[0].is_dppo)  # delta: the clip family's and dppo's cap
+    and (case[1] == "token" or case[0].allows_sequence_level)
 ]
 
 
@@ -105,7 +107,8 @@ def hardware_scalars(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type,level", list(itertools.product(list(LossType), ["token", "sequence"])))
+@pytest.mark.parametrize("loss_type,level", [(lt, level) for lt in LossType for level in ("token", "sequence")
+                                             if level == "token" or lt.allows_sequence_level])
 def test_loss_kernel_matches_torch_terms_over_the_option_grid(loss_type, level, hardware_scalars):
     """The GRPO loss kernel equals the torch algorithm it implements (float64, to rounding) for every option, with
     its scalar arguments at the precision a GPU would receive them (``hardware_scalars``)."""

@@ -53,7 +53,7 @@ def test_lockstep_finds_a_broken_micro_batch_weight(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type", [t.value for t in LossType])
+@pytest.mark.parametrize("loss_type", [t.value for t in LossType if t.in_trl])
 def test_multi_turn_loss_mask_equals_trls_tool_mask(loss_type):
     """Multi-turn rollouts (tool spans inside the completions, TRL's ``env_mask``): grpo-fast's loop replays them with
     ``Rollout.loss_mask`` and must compute TRL's loss, normaliser (``num_items_in_batch``), gradients and update, for

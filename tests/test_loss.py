@@ -10,15 +10,25 @@ import torch
 from helpers import as_leaves, make_batch, make_mask, to_float64
 
 from grpo_fast import GRPOLoss, GRPOLossConfig, LossType, grpo_loss, grpo_loss_from_logps
+from grpo_fast.loss import micro_batch_scale
 from grpo_fast.testing import ATOL, assert_close_rule, max_abs_err
 
 METRICS = ("kl", "entropy", "clip_ratio_low", "clip_ratio_high", "clip_ratio_region")
 
 
 def _config(loss_type, level="token", beta=0.0, bias_kl=False, **kw):
-    eps_high = 5.0 if loss_type == LossType.CISPO else 0.28
+    # cispo: the cap on the ratio itself; dppo_tv: a bound on p - p_old, low enough to bind at these log-ratios
+    eps_high = {LossType.CISPO: 5.0, LossType.DPPO_TV: 0.05}.get(LossType(loss_type), 0.28)
+    if LossType(loss_type) == LossType.DRO:
+        kw.setdefault("dro_beta", 0.3)
     return GRPOLossConfig(loss_type=loss_type, importance_sampling_level=level, beta=beta,
                           use_bias_correction_kl=bias_kl, epsilon=0.2, epsilon_high=eps_high, **kw)
+
+
+def _levels(loss_types):
+    """(loss type, level) for each type and each importance-sampling level it has."""
+    return [(lt, level) for lt in loss_types for level in ("token", "sequence")
+            if level == "token" or lt.allows_sequence_level]
 
 
 def _logps_batch(B, T, dtype, seed, adv_per_token=False, sampling=None):
@@ -50,10 +60,10 @@ def _run_from_logps(batch, config, impl, upstream, old_given=True, nitems=None):
 
 
 LOSS_GRID = [
-    case
-    for case in itertools.product(list(LossType), ["token", "sequence"], [(0.0, False), (0.04, False), (0.04, True)],
-                                  [None, 1.5, 1.05])
-    if case[3] is None or case[0].is_clip_family  # delta only applies to the clip family
+    (lt, level, beta_kl, delta)
+    for (lt, level), beta_kl, delta in itertools.product(_levels(LossType), [(0.0, False), (0.04, False), (0.04, True)],
+                                                        [None, 1.5, 1.05])
+    if delta is None or lt.is_clip_family or lt.is_dppo  # delta caps the clip family's ratio and dppo's
 ]
 
 
@@ -84,7 +94,7 @@ def test_from_logps_torch_matches_reference_float64(loss_type, level, beta_kl, d
             assert_close_rule(a, b, b, torch.float64, f"{name} [{case}]")
 
 
-GRID_HIDDEN = list(itertools.product(list(LossType), ["token", "sequence"], [0.0, 0.04]))
+GRID_HIDDEN = [(lt, level, beta) for (lt, level), beta in itertools.product(_levels(LossType), [0.0, 0.04])]
 
 
 @pytest.mark.parametrize("loss_type,level,beta", GRID_HIDDEN)
@@ -146,9 +156,12 @@ def test_grpo_loss_options_and_dtypes(dtype, options):
         assert_close_rule(a, b, c, dtype, name)
 
 
-def test_micro_batches_with_num_items_give_the_large_batch_gradient():
-    """dapo: k micro-batches normalised by the global token count sum to the gradient of one large batch."""
-    config = GRPOLossConfig(loss_type="dapo", beta=0.04)
+@pytest.mark.parametrize("loss_type", [lt for lt in LossType if lt.divides_by_num_items])
+def test_micro_batches_with_num_items_give_the_large_batch_gradient(loss_type):
+    """dapo and the other types divided by num_items_in_batch: k micro-batches normalised by the global token count
+    sum to the gradient of one large batch (micro_batch_scale 1)."""
+    assert micro_batch_scale(loss_type, 0.25, 0.5) == 1.0
+    config = _config(loss_type, beta=0.04)
     batch = make_batch(B=6, T=31, H=24, V=211, seed=3, dtype=torch.float64)
     leaves = as_leaves(batch, torch.float64, names=("weight",))
     whole = grpo_loss(**leaves, config=config, impl="torch")
@@ -168,11 +181,12 @@ def test_micro_batches_with_num_items_give_the_large_batch_gradient():
 
 
 @pytest.mark.parametrize("extreme", ["policy_ratio", "ref_ratio"])
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_extreme_log_ratios_and_padding_garbage(extreme, level):
+@pytest.mark.parametrize("loss_type,level", [("grpo", "token"), ("grpo", "sequence")]
+                         + [(lt.value, "token") for lt in LossType if not lt.in_trl])
+def test_extreme_log_ratios_and_padding_garbage(extreme, loss_type, level):
     """log-ratios of +-50 (policy/old or ref/policy), garbage at padding, all-masked rows: the loss, metrics and
     gradients equal the reference's on the same batch with clean padding (exp(50) ~ 5e21 is finite in float32)."""
-    config = GRPOLossConfig(loss_type="grpo", beta=0.1, use_bias_correction_kl=True, importance_sampling_level=level)
+    config = _config(loss_type, level, beta=0.1, bias_kl=True)
     batch = make_batch(B=4, T=17, H=16, V=97, seed=4)
     # a sink token of bias 60 (never a target) puts every target's log-prob near -60: logp + 50 is still a log-prob
     batch["weight"] = torch.cat([batch["weight"], torch.zeros(1, 16)])
@@ -245,6 +259,12 @@ def test_metrics_none_where_undefined():
     assert_close_rule(out.entropy, pt.entropy, ref.entropy, torch.float32, "entropy")
     out = grpo_loss(**batch, config=GRPOLossConfig(loss_type="cispo", beta=0.1))
     assert out.kl is not None and out.clip_ratio_high is not None and out.clip_ratio_low is None
+    for loss_type in LossType:  # what each type defines, on every path
+        for impl in ("torch", "reference"):
+            out = grpo_loss(**batch, config=_config(loss_type), impl=impl)
+            present = tuple(getattr(out, f"clip_ratio_{k}") is not None for k in ("low", "high", "region"))
+            assert present == loss_type.clip_metrics, (loss_type, impl)
+    assert LossType.DPPO_TV.clip_metrics == (True, True, True) and LossType.GPG.clip_metrics == (False,) * 3
 
 
 @pytest.mark.parametrize("impl", ["torch", "reference"])

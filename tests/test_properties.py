@@ -98,7 +98,8 @@ CONFIG_FAULTS = [
     ("beta", -0.1), ("beta", float("nan")), ("epsilon", -1.0), ("epsilon", "0.2"), ("epsilon_high", float("inf")),
     ("delta", 0.0), ("temperature", 0.0), ("loss_type", "ppo"), ("importance_sampling_level", "seq"),
     ("top_entropy_quantile", 1.5), ("max_completion_length", 0), ("sapo_temperature_pos", np.float64(-1.0)),
-    ("use_bias_correction_kl", 1),
+    ("use_bias_correction_kl", 1), ("loss_type", "clip_cov"), ("loss_type", "kl_cov"), ("loss_type", "geo_mean"),
+    ("dro_beta", 0.0), ("dro_beta", float("inf")),
 ]
 
 
@@ -146,13 +147,16 @@ def loss_calls(draw, with_hidden=False):
         beta=draw(st.sampled_from([0.0, 0.04, np.float32(0.5)])),
         epsilon=draw(st.sampled_from([0.2, 0.1])),
         epsilon_high=draw(st.sampled_from([None, 0.28, 5.0])),
-        importance_sampling_level=draw(st.sampled_from(["token", "sequence"])),
+        importance_sampling_level=draw(st.sampled_from(["token", "sequence"] if loss_type.allows_sequence_level
+                                                       else ["token"])),
         use_bias_correction_kl=draw(st.booleans()),
         top_entropy_quantile=draw(st.sampled_from([1.0, 1.0, 0.5])),
         entropy_coef=draw(st.sampled_from([0.0, 0.0, 0.01])),
     )
-    if loss_type.is_clip_family:
+    if loss_type.is_clip_family or loss_type.is_dppo:
         fields["delta"] = draw(st.sampled_from([None, 1.5]))
+    if loss_type == LossType.DRO:
+        fields["dro_beta"] = draw(st.sampled_from([0.1, 2.0]))
     if with_hidden:
         fields["temperature"] = draw(st.sampled_from([1.0, 0.7, np.float32(1.3)]))
         fields["softcap"] = draw(st.sampled_from([None, 3.0]))

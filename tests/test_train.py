@@ -175,7 +175,8 @@ def test_gradient_accumulation_equals_one_large_batch(tmp_path, loss_type):
     for micro in (16, 3):
         torch.manual_seed(0)
         run, ro, adv = _one_generation(tmp_path, micro_batch_size=micro, token_mean="generation", **{
-            "loss.loss_type": loss_type, "loss.beta": "0.05", "loss.entropy_coef": "0.01"})
+            "loss.loss_type": loss_type, "loss.beta": "0.05", "loss.entropy_coef": "0.01",
+            **({"loss.dro_beta": "0.3"} if loss_type == "dro" else {})})
         adv = torch.linspace(-1, 1, adv.shape[0])  # every row carries signal
         grads = _record_gradients(run)
         ref_logps = reference_logprobs(run, ro)

@@ -144,7 +144,7 @@ def _initial_params(model_dir):
 
 
 @pytest.mark.parametrize("embeddings", ["untied", "tied"])
-@pytest.mark.parametrize("loss_type", [t.value for t in LossType])
+@pytest.mark.parametrize("loss_type", [t.value for t in LossType if t.in_trl])
 def test_training_matches_grpo_trainer(model_dirs, tmp_path, loss_type, embeddings):
     """beta > 0 (a reference model), num_iterations = 2 (old log-probs, clipping), TRL's other defaults (dapo's
     num_items_in_batch scaling, use_bias_correction_kl=True)."""
@@ -351,7 +351,7 @@ def _sampling_ratio(batch, level, seed=0):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", [t.value for t in LossType])
+@pytest.mark.parametrize("loss_type", [t.value for t in LossType if t.in_trl])
 def test_vllm_importance_sampling_ratio(loss_path, loss_type, level):
     """``inputs["importance_sampling_ratio"]`` (vLLM's correction; VESPO folds it into its gamma weight)."""
     inputs = dict(loss_path.batch, importance_sampling_ratio=_sampling_ratio(loss_path.batch, level))

@@ -50,7 +50,7 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 from packaging.version import Version
 
 from grpo_fast.bnb_layout import keep_training_layout
-from grpo_fast.config import GRPOLossConfig, LossType
+from grpo_fast.config import REFUSED_LOSS_TYPES, GRPOLossConfig, LossType
 from grpo_fast.integrations import heads
 from grpo_fast.logprobs import fused_logprobs
 from grpo_fast.loss import grpo_loss, grpo_loss_from_logps, micro_batch_scale
@@ -443,6 +443,12 @@ def _config_refusals(args) -> list[str]:
     if args.use_adaptive_entropy:
         out.append("use_adaptive_entropy=True: the adaptive entropy controller is not supported; expected "
                    "use_adaptive_entropy=False (a fixed entropy_coef is)")
+    not_in_trl = [t.value for t in LossType if not t.in_trl]
+    if args.loss_type in not_in_trl or args.loss_type in REFUSED_LOSS_TYPES:
+        out.append(f"loss_type={args.loss_type!r}: verl's policy loss, which TRL {MIN_TRL}'s GRPOTrainer does not have "
+                   f"(its _compute_loss raises 'Unknown loss type'); expected one of "
+                   f"{', '.join(t.value for t in LossType if t.in_trl)}. grpo_fast.grpo_loss (GRPOLossConfig) offers "
+                   f"{', '.join(not_in_trl)}, grpo_fast.verl_losses.policy_loss every verl loss")
     if args.off_policy_mask_threshold is not None and args.loss_type == "vespo":
         out.append(f"off_policy_mask_threshold={args.off_policy_mask_threshold} with loss_type='vespo': VESPO folds "
                    "importance weights into its gamma weight, so the mask cannot be applied; expected "
