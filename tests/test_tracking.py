@@ -183,8 +183,7 @@ def test_wandb_offline_gets_every_row_at_its_step_the_config_and_the_completions
 
 def test_trackio_locally(tmp_path):
     """trackio in a fresh process (it reads TRACKIO_DIR at import): the rows at their steps, the config, no
-    server."""
-    pytest.importorskip("trackio")
+    server. trackio is in the dev extra (locked), so CI runs this."""
     script = textwrap.dedent(f"""
         import json, sys
         sys.path.insert(0, {str(REPO / "tests")!r})
