@@ -128,11 +128,14 @@ class GRPOLossConfig:
         f"{', '.join(t.value for t in LossType if not t.in_trl)} (verl 0.9.1's per-token losses, token-mean); verl's "
         f"{', '.join(REFUSED_LOSS_TYPES)} are refused here (grpo_fast.verl_losses.policy_loss has them)")
     beta: float = _field(0.0, "KL coefficient against the reference model (0: no reference model is kept)")
-    epsilon: float = _field(0.2, "lower clip of the importance ratio (1 - epsilon; TRL's epsilon_low)")
+    epsilon: float = _field(0.2, "lower clip of the importance ratio (1 - epsilon; TRL's epsilon_low); dppo_tv / "
+                                 "dppo_kl: the trust region's bound for A <= 0 (verl's clip_ratio_low)")
     epsilon_high: float | None = _field(None, "upper clip (1 + epsilon_high; None: epsilon); cispo's truncation "
-                                        "bound, the cap on the ratio itself (TRL recommends 5.0)")
+                                        "bound, the cap on the ratio itself (TRL recommends 5.0); dppo_tv / dppo_kl: "
+                                        "the trust region's bound for A > 0 (verl's clip_ratio_high)")
     delta: float | None = _field(None, "two-sided clipping: cap the unclipped ratio at delta (None: off); dppo_tv / "
-                                 "dppo_kl: the cap of their truncated ratio, verl's clip_ratio_c (None: verl's 20.0)")
+                                 "dppo_kl: the cap of their truncated ratio, verl's clip_ratio_c (None: 20.0, the "
+                                 "fallback in verl's dppo code; a default verl run sets 3.0)")
     importance_sampling_level: str = _field("token", "token, or sequence (GSPO)")
     temperature: float = _field(1.0, "the logits are divided by it, after softcap, exactly as at sampling time "
                                      "(at least 0.01: grpo_fast.checks.MIN_TEMPERATURE)")
@@ -199,6 +202,9 @@ class GRPOLossConfig:
         self._check_real("top_entropy_quantile", low=0.0, high=1.0)
         self._check_real("entropy_coef")
         if self.dro_beta is not None:
+            if self.loss_type != LossType.DRO:
+                raise ValueError(f"GRPOLossConfig.dro_beta is dro's weight of its log-ratio penalty and means nothing "
+                                 f"for loss_type={self.loss_type.value!r}: expected None, got {self.dro_beta!r}")
             self._check_real("dro_beta", low=0.0, strict=True)
         elif self.loss_type == LossType.DRO:
             raise ValueError("GRPOLossConfig.dro_beta must be a number > 0 for loss_type='dro' (the weight of its "

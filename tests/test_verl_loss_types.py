@@ -22,11 +22,14 @@ F64 = torch.float64
 
 def _inputs(B=5, T=13, seed=0, dtype=F64):
     """Log-probs, old log-probs within +-1 of them (some tokens leave dppo's trust regions, a few ratios pass the
-    cap of 2), per-token advantages of both signs, a ragged mask with a full row."""
+    cap of 2), per-token advantages of both signs and exact zeros (a zero-std group's row, and one token in five:
+    verl sends A = 0 through the A < 0 rule), a ragged mask with a full row."""
     gen = torch.Generator().manual_seed(seed)
     logp = -torch.rand(B, T, generator=gen, dtype=F64) * 2 - 0.05
     old = (logp + torch.empty(B, T, dtype=F64).uniform_(-1.0, 1.0, generator=gen)).clamp(max=-1e-3)
     adv = torch.randn(B, T, generator=gen, dtype=F64)
+    adv[B - 1] = 0.0
+    adv[:, ::5] = 0.0
     weights = torch.rand(B, T, generator=gen, dtype=F64) + 0.5
     mask = right_padded_mask(B, T, gen, min_length=2, full_first_row=True)
     return dict(logp=logp.to(dtype), old=old.to(dtype), adv=adv.to(dtype), weights=weights.to(dtype), mask=mask)
@@ -80,7 +83,8 @@ def test_equals_verl_policy_loss_token_mean(case, weighted, impl):
         n = int(x["mask"].sum())
         assert round(metrics["actor/pg_clipfrac"] * n) == round(float(out.clip_ratio_region) * n), case
         assert 0 < out.clip_ratio_low and 0 < out.clip_ratio_high  # both sides leave the trust region here
-        assert_close_rule(out.clip_ratio_low + out.clip_ratio_high, out.clip_ratio_region, out.clip_ratio_region, F64)
+        # region counts the A = 0 tokens outside too (verl's pg_clipfrac); low and high only A < 0 and A > 0
+        assert out.clip_ratio_low + out.clip_ratio_high < out.clip_ratio_region, case
     else:
         assert out.clip_ratio_low is None and out.clip_ratio_high is None and out.clip_ratio_region is None
 
@@ -98,6 +102,37 @@ def test_float32_matches_verl_float64(case, impl):
     loss_ref, grad_ref, _ = _verl(name, x64, params)
     assert_close_rule(out.loss, loss_pt, loss_ref, torch.float32, f"{case} loss")
     assert_close_rule(grad, grad_pt, grad_ref, torch.float32, f"{case} d logp")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("name", ["dppo_tv", "dppo_kl"])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_advantage_takes_the_negative_rule(impl, name, dtype):
+    """A = 0 (a zero-std group) takes verl's A < 0 side: where(A > 0, pos, neg). A token whose probability fell far
+    (p - p_old < -epsilon, and a binary KL past epsilon) is outside for A = 0 and counted in clip_ratio_region,
+    though in neither clip_ratio_low (A < 0) nor clip_ratio_high (A > 0); on the A > 0 side it would be inside."""
+    logp = torch.tensor([[-3.0, -0.2]], dtype=dtype)
+    x = dict(logp=logp, old=torch.tensor([[-0.1, -0.2]], dtype=dtype), adv=torch.tensor([[0.0, 1.0]], dtype=dtype),
+             mask=torch.ones(1, 2, dtype=torch.bool))
+    out, _ = _ours(x, GRPOLossConfig(loss_type=name, epsilon=0.2, epsilon_high=0.2), impl)
+    assert (float(out.clip_ratio_region), float(out.clip_ratio_low), float(out.clip_ratio_high)) == (0.5, 0.0, 0.0)
+    _, _, metrics = _verl(name, {k: (v.double() if v.is_floating_point() else v) for k, v in x.items()},
+                          VerlLossParams(clip_ratio_low=0.2, clip_ratio_high=0.2))
+    assert metrics["actor/pg_clipfrac"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("name", [t.value for t in NEW_TYPES])
+def test_float64_kernel_over_several_tiles(name):
+    """T = 600 spans three of the float64 kernel's 256-wide tiles (two full, one ragged): verl's loss and gradient."""
+    options, params = CASES[name]
+    x = _inputs(B=3, T=600, seed=11)
+    out, grad = _ours(x, GRPOLossConfig(loss_type=name, **options), "triton", x["weights"])
+    loss_v, grad_v, metrics = _verl(name, x, params, x["weights"])
+    assert_close_rule(out.loss, loss_v, loss_v, F64, f"{name} loss")
+    assert_close_rule(grad, grad_v, grad_v, F64, f"{name} d logp")
+    if LossType(name).is_dppo:
+        n = int(x["mask"].sum())
+        assert round(metrics["actor/pg_clipfrac"] * n) == round(float(out.clip_ratio_region) * n)
 
 
 def _one_token(logp, old, adv, dtype):
@@ -194,6 +229,9 @@ def test_dro_beta_is_required_and_validated():
     for bad in (0.0, -1.0, float("nan"), float("inf"), 1e39, "0.5", True):
         with pytest.raises(ValueError, match=r"GRPOLossConfig\.dro_beta "):
             GRPOLossConfig(loss_type="dro", dro_beta=bad)
+    for other in ("dapo", "gpg", "dppo_tv"):  # another loss type would ignore it: a mistake, refused
+        with pytest.raises(ValueError, match=rf"dro_beta .* loss_type='{other}': expected None, got 0\.5"):
+            GRPOLossConfig(loss_type=other, dro_beta=0.5)
     import numpy as np
 
     config = GRPOLossConfig(loss_type="dro", dro_beta=np.float64(0.25))

@@ -675,7 +675,7 @@ def _unknown(message: str, name: str, known) -> str:
 SECTIONS = {"model": "model", "dataset": "data", "rewards": "rewards", "steps": "GRPO",
             "tools": "tools (multi-turn rollouts, TRL's tools= and environment_factory=)",
             "rollout": "rollout engine",
-            "loss": "loss (the semantics of TRL 1.16's GRPOTrainer)", "lr": "optimisation",
+            "loss": "loss (TRL 1.16's GRPOTrainer semantics; dppo_tv, dppo_kl, gpg, dro: verl 0.9.1's)", "lr": "optimisation",
             "output_dir": "logging and checkpoints"}
 
 
