@@ -35,6 +35,21 @@ _SCALE_FIELDS = ("absmax", "state2", "offset", "nested", "dtype")
 _MISSING = object()  # a field the state did not have
 
 
+def quiet_cpu_kernel_message() -> None:
+    """Leaves out bitsandbytes' one message that its optional CPU 4-bit kernel is missing (``Failed to load CPU
+    gemm_4bit_forward from kernels-community``): peft imports bitsandbytes whenever it is installed (and
+    transformers and TRL import peft), so it would show on every CPU run and TRL import, while only a 4-bit run on a
+    CPU would use that kernel (docs/train.md, QLoRA). bitsandbytes' other messages still show. Idempotent; call it
+    before bitsandbytes is imported."""
+    import logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_cpu_kernel_message)  # once: the same filter
+
+
+def _not_cpu_kernel_message(record) -> bool:
+    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
 def linear4bit_layers(model) -> list:
     """Every bitsandbytes ``Linear4bit`` in ``model``. No 4-bit layer exists before bitsandbytes is imported, and
     this does not import it (its import is slow and prints warnings on a CPU)."""

@@ -19,8 +19,8 @@ Train a causal LM with GRPO. With no arguments: a tiny Qwen2 learns the built-in
 
 Options come from (later wins): the defaults below, --config FILE (.toml or .yaml, the loss options in a [loss]
 table; or a run's own config.json), then the flags. Lists are comma-separated (--rewards math,format). TRL's
-names --learning-rate, --num-generations and --max-completion-length are taken for --lr, --group-size and
---max-new-tokens. --resume --output-dir DIR alone continues that run with its own options (DIR/config.json); a
+names --learning-rate, --num-generations, --max-completion-length and --num-iterations are taken for --lr,
+--group-size, --max-new-tokens and --mu. --resume --output-dir DIR alone continues that run with its own options (DIR/config.json); a
 flag given with it must match the run's, but for the few a resume may change. Outputs in --output-dir:
 metrics.jsonl, reward_kl.png, config.json, checkpoints/, and model/: the trained model (save_pretrained; see
 grpo-fast export and grpo-fast eval).
@@ -167,16 +167,11 @@ def _quiet_libraries() -> None:
     bitsandbytes' missing-CPU-kernel message inside grpo-fast's own output; their other warnings still show."""
     from transformers.utils import logging as transformers_logging
 
+    from grpo_fast.bnb_layout import quiet_cpu_kernel_message
+
     transformers_logging.disable_progress_bar()
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_bnb_kernel_message)  # once: the same filter
-
-
-def _not_bnb_kernel_message(record: logging.LogRecord) -> bool:
-    """False for bitsandbytes' message that its optional CPU 4-bit kernel is missing. peft imports bitsandbytes
-    whenever it is installed (and transformers imports peft), so it would show on every CPU run, while only a 4-bit
-    run on a CPU would use that kernel (docs/train.md, QLoRA)."""
-    return not record.getMessage().startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+    quiet_cpu_kernel_message()
 
 
 def train_overrides(args: argparse.Namespace) -> dict:
@@ -190,7 +185,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from grpo_fast.train.distributed import shutdown
     from grpo_fast.train.rewards import RewardError
     from grpo_fast.train.checkpoint import DiskFull
-    from grpo_fast.train.lifecycle import TrainingInterrupted
+    from grpo_fast.train.lifecycle import RunComplete, TrainingInterrupted
 
     overrides = train_overrides(args)
     file_values: dict = {}
@@ -200,6 +195,11 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     except RewardError as e:  # in the evaluation before the first step
         e.when = e.when or "in the evaluation before training"
         return _reward_failed(args, argv, e)
+    except RunComplete as e:  # --resume of a finished run: nothing to do, and a clean exit
+        if e.world.is_main:
+            print(f"grpo-fast {args.command}: {e}")
+        shutdown(e.world)
+        return 0
     except _INPUT_ERRORS as e:  # a one-line message that names the option; errors later keep their traceback
         _error(args, _option_names(str(e), overrides, file_values, f"--config {args.config}"), e)
         return 2
@@ -355,9 +355,11 @@ def _eval_parser(sub) -> None:
     add = p.add_argument
     add("--model", metavar="DIR", help="saved model directory (full weights or a LoRA adapter)")
     add("--dataset", metavar="FILE", help="builtin:NAME (its held-out split) or a .jsonl/.json/.parquet file")
-    add("--rewards", metavar="R,...", default="math", help="reward functions: math, exact, format, code, "
-        "module:function or path.py:function; none: the --environment's get_reward() alone (default: math)")
-    add("--reward-weights", metavar="W,...", default="", help="one weight per reward (default: all 1)")
+    add("--rewards", metavar="R,...", default=None, help="reward functions: math, exact, format, code, "
+        "module:function or path.py:function; none: the --environment's get_reward() alone (default: the run's "
+        "--rewards when --model is a run's model/ directory, read from the run's config.json; else math)")
+    add("--reward-weights", metavar="W,...", default=None, help="one weight per reward (default: the run's, with "
+        "the run's rewards; else all 1)")
     add("--samples", metavar="K", default="1", help="completions per prompt (default 1: greedy)")
     add("--temperature", metavar="T", default=None, help="sampling temperature (default: 0, greedy, for one "
         "sample; 1.0 for --samples > 1)")
@@ -390,6 +392,27 @@ def _eval_parser(sub) -> None:
         "print its traceback")
 
 
+def _run_rewards(model: str) -> tuple[str, str | None]:
+    """``grpo-fast eval``'s rewards when ``--rewards`` is not given: those of the run whose ``model/`` directory
+    ``model`` is (its ``config.json`` one level up, as every run writes it), with their weights; else ``math`` (the
+    train default). Logged, so the scores say what scored them."""
+    import json
+
+    path = Path(model).parent / "config.json"
+    if Path(model).name == "model" and path.is_file():
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            values = None
+        rewards = values.get("rewards") if isinstance(values, dict) else None
+        if isinstance(rewards, list) and rewards and all(isinstance(r, str) for r in rewards):
+            weights = values.get("reward_weights") or []
+            logging.getLogger("grpo_fast.eval").info("scoring with the run's rewards %s (from %s; --rewards "
+                                                     "chooses others)", ",".join(rewards), path)
+            return ",".join(rewards), ",".join(str(w) for w in weights) if isinstance(weights, list) else None
+    return "math", None
+
+
 def _eval_options(args: argparse.Namespace):
     """``EvalOptions`` from the parsed strings; a ValueError names the flag of a value that does not convert, or
     that no run could take (a temperature below 0.01 but for 0, greedy; a seed beyond 32 bits)."""
@@ -411,9 +434,13 @@ def _eval_options(args: argparse.Namespace):
     if temperature is not None and temperature > 0:  # 0 is greedy; below 0 and NaN: EvalOptions.check
         temperature_value("--temperature", temperature)
     seed = check_seed("--seed", convert("--seed", int, args.seed))
+    rewards, weights = args.rewards, args.reward_weights
+    if rewards is None:
+        rewards, run_weights = _run_rewards(args.model)
+        weights = run_weights if weights is None else weights
     return EvalOptions(
-        model=args.model, dataset=args.dataset, rewards=[r.strip() for r in args.rewards.split(",") if r.strip()],
-        reward_weights=[convert("--reward-weights", float, w) for w in args.reward_weights.split(",") if w.strip()],
+        model=args.model, dataset=args.dataset, rewards=[r.strip() for r in rewards.split(",") if r.strip()],
+        reward_weights=[convert("--reward-weights", float, w) for w in (weights or "").split(",") if w.strip()],
         samples=convert("--samples", int, args.samples), temperature=temperature,
         top_p=convert("--top-p", float, args.top_p),
         max_new_tokens=convert("--max-new-tokens", int, args.max_new_tokens),
@@ -516,6 +543,15 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+class _LevelFormatter(logging.Formatter):
+    """``%(level)s``: nothing for the run's INFO lines, the level name for warnings and errors (``WARNING ...``), so
+    a log in a file tells them apart without a column of INFO."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.level = f"{record.levelname} " if record.levelno >= logging.WARNING else ""
+        return super().format(record)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     code = _parsed_elsewhere(argv)
@@ -536,9 +572,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # the subcommand's parser says it: its prog, and the nearest of its own options
         sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     rank = int(os.environ.get("RANK", "0"))  # under torchrun only rank 0 logs below warnings
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(name)s: %(message)s" if "RANK" not in os.environ
-                        else f"%(asctime)s [rank {rank}] %(name)s: %(message)s", datefmt="%H:%M:%S")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LevelFormatter("%(asctime)s %(level)s%(name)s: %(message)s" if "RANK" not in os.environ
+                                         else f"%(asctime)s [rank {rank}] %(level)s%(name)s: %(message)s",
+                                         datefmt="%H:%M:%S"))
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, handlers=[handler])
     if args.command in ("train", "export", "eval"):
         _quiet_libraries()
     if hasattr(args, "run"):  # a subcommand that names its own function

@@ -127,7 +127,7 @@ def test_resume_and_overwrite_together_are_refused(tmp_path):
 
 def test_resume_with_other_options_is_refused(tmp_path):
     train(small_config(tmp_path, steps=1))
-    with pytest.raises(ValueError, match=r"--resume: .* other options \(group_size: 4 -> 8\)"):
+    with pytest.raises(ValueError, match=r"--resume: .* other options \(TrainConfig\.group_size: 4 -> 8\)"):
         train(small_config(tmp_path, steps=2, group_size=8, resume=True))
     summary = train(small_config(tmp_path, steps=2, resume=True))  # more steps is fine
     assert summary.steps == 2

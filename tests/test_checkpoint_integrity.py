@@ -763,7 +763,7 @@ def test_a_resume_refusal_names_only_what_changed(run_dir, tmp_path):
         train(small_config(tmp_path, steps=STEPS + 1, save_every=1, keep_checkpoints=0, resume=True,
                            **{"loss.beta": "0.1"}))
     message = str(info.value)
-    assert "(loss.beta: 0.0 -> 0.1)" in message and "epsilon" not in message, message
+    assert "(TrainConfig.loss.beta: 0.0 -> 0.1)" in message and "epsilon" not in message, message
 
 
 def test_a_checkpoint_whose_saved_options_are_a_reference_bomb_is_refused_at_once(run_dir, tmp_path):

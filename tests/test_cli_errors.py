@@ -496,6 +496,34 @@ def test_a_reward_that_fails_mid_run_saves_the_finished_steps(tmp_path, capsys, 
     assert [s for s, _ in ckpt.list_checkpoints(out / "checkpoints")] == [1]
 
 
+def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
+    """--resume of a run that did all its steps and its evaluation: one line, exit 0, no step, no evaluation, no
+    file rewritten (a scheduler may rerun a finished job); --steps above it continues as before."""
+    out = tmp_path / "run"
+    argv = ["train", *TINY, "--output-dir", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    files = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()}
+    assert main([*argv, "--resume"]) == 0
+    printed = capsys.readouterr().out
+    assert f"grpo-fast train: the run in {out} is complete (1 of 1 steps, evaluated: held-out reward " in printed
+    assert "nothing was run or changed; --resume with --steps above 1 continues it" in printed
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in out.rglob("*") if p.is_file()} == files
+    assert main([*argv, "--resume", "--steps", "2"]) == 0
+    assert [r["step"] for r in read_steps(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_file_dataset_without_a_held_out_set_says_so(tmp_path, capsys):
+    """A file dataset and no --eval-dataset: nothing to evaluate, and the summary says how to get a held-out set
+    instead of reading as if prompts had been scored and failed."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"max {i} 2=", "answer": str(max(i, 2))}) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    assert main(["train", *TINY, "--dataset", str(data), "--output-dir", str(out)]) == 0
+    assert ("held-out reward n/a -> n/a (no held-out set: a file dataset is evaluated with --eval-dataset FILE); "
+            in capsys.readouterr().out)
+
+
 def test_a_reward_that_scores_nothing_reads_n_a(tmp_path, capsys):
     rewards = tmp_path / "unscored.py"
     rewards.write_text("def unscored(prompts, completions, **kwargs):\n    return [None] * len(completions)\n")

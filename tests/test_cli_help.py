@@ -13,7 +13,7 @@ import sys
 import pytest
 from train_helpers import REPO
 
-from grpo_fast import cli
+from grpo_fast import bnb_layout, cli
 from grpo_fast.helptext import plain_text
 from grpo_fast.memory import fit
 from grpo_fast.memory.projection import METHODS
@@ -97,7 +97,18 @@ def test_trls_names_of_the_same_options_are_taken():
     assert (config.lr, config.group_size, config.max_new_tokens) == (0.003, 6, 7)
     config = build_config({"learning_rate": 0.004, "num-generations": 3, "max_completion_length": 5})
     assert (config.lr, config.group_size, config.max_new_tokens) == (0.004, 3, 5)
-    assert set(TRL_ALIASES.values()) == {"lr", "group_size", "max_new_tokens"}
+    assert set(TRL_ALIASES.values()) == {"lr", "group_size", "max_new_tokens", "mu"}
+    assert build_config(overrides=_train_overrides(["--num-iterations", "2"])).mu == 2  # TRL's num_iterations
+
+
+@pytest.mark.parametrize("flag, answer", [("--beta", "did you mean --loss.beta?"),
+                                          ("--loss-type", "did you mean --loss.loss_type?"),
+                                          ("--logging-steps", "did you mean --log-every?"),
+                                          ("--gradient-accumulation-steps", "micro-batches of --micro-batch-size")])
+def test_trls_other_names_are_answered(capsys, flag, answer):
+    with pytest.raises(SystemExit):
+        cli.main(["train", flag, "1"])
+    assert answer in capsys.readouterr().err
 
 
 def test_trls_batch_size_is_answered_with_what_to_use(capsys):
@@ -131,7 +142,7 @@ def test_bitsandbytes_cpu_kernel_message_is_filtered(caplog):
     cli._quiet_libraries()
     cli._quiet_libraries()  # every command calls it: one filter, not one per call
     log = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    assert log.filters.count(cli._not_bnb_kernel_message) == 1
+    assert log.filters.count(bnb_layout._not_cpu_kernel_message) == 1
     with caplog.at_level(logging.INFO):
         log.warning("Failed to load CPU gemm_4bit_forward from kernels-community: No module named 'kernels'.")
         log.warning("another bitsandbytes message")
@@ -147,6 +158,7 @@ def test_importing_the_trl_drop_in_leaves_trls_vllm_range_warning_out():
     drop_in = run("grpo_fast.integrations.trl")
     assert drop_in.returncode == 0, drop_in.stderr
     assert "TRL currently supports vLLM versions" not in drop_in.stderr
+    assert "gemm_4bit_forward" not in drop_in.stderr and "doesn't include CPU backend" not in drop_in.stderr
     from packaging.version import Version
 
     if not Version("0.22") <= Version(Version(vllm.__version__).base_version) <= Version("0.31"):

@@ -39,6 +39,31 @@ def test_greedy_eval_of_the_saved_model_is_the_runs_eval_after(trained, tmp_path
     assert "| mean@1 (mean reward)" in printed and f"{summary.eval_after:.4f}" in printed
 
 
+def test_a_runs_model_is_scored_with_the_runs_rewards(trained, tmp_path, capsys, caplog):
+    """No --rewards: the run's own rewards and weights (its config.json next to model/), logged; --rewards wins."""
+    import logging
+    import shutil
+
+    _, model_dir = trained
+    run = tmp_path / "myrun"
+    shutil.copytree(model_dir, run / "model")
+    config = json.loads((model_dir.parent / "config.json").read_text())
+    config.update(rewards=["exact", "tests/train_helpers.py:starts_with_seven"], reward_weights=[1.0, 0.5])
+    (run / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.INFO, logger="grpo_fast.eval"):
+        result, _ = _eval(tmp_path, capsys, "--model", str(run / "model"), "--dataset", "builtin:digits", "--limit", "4")
+    assert (result["rewards"], result["reward_weights"]) == (config["rewards"], [1.0, 0.5])
+    assert any("scoring with the run's rewards exact,tests/train_helpers.py:starts_with_seven" in r.getMessage()
+               for r in caplog.records)
+    result, _ = _eval(tmp_path, capsys, "--model", str(run / "model"), "--dataset", "builtin:digits", "--limit", "4",
+                      "--rewards", "math")
+    assert (result["rewards"], result["reward_weights"]) == (["math"], [1.0])
+    shutil.copytree(run / "model", tmp_path / "elsewhere")  # not a run's model/: the train default
+    result, _ = _eval(tmp_path, capsys, "--model", str(tmp_path / "elsewhere"), "--dataset", "builtin:digits",
+                      "--limit", "4")
+    assert result["rewards"] == ["math"]
+
+
 def test_sampled_eval_reports_mean_and_pass_at_k(trained, tmp_path, capsys):
     _, model_dir = trained
     data = tmp_path / "data.jsonl"
@@ -53,6 +78,10 @@ def test_sampled_eval_reports_mean_and_pass_at_k(trained, tmp_path, capsys):
     assert result["mean@4"] == pytest.approx(sum(map(sum, rewards)) / 20, rel=1e-12)
     assert result["pass@4"] == sum(max(r) >= 1.0 for r in rewards) / 5
     assert {v for r in rewards for v in r} <= {0.0, 0.5, 1.0, 1.5}
+    for p in result["per_prompt"]:  # each function's own score, the weighted total their sum
+        math_, seven = p["scores"]["math"], p["scores"]["tests/train_helpers.py:starts_with_seven"]
+        assert p["rewards"] == [m + 0.5 * s for m, s in zip(math_, seven)]
+        assert seven == [float(c.startswith("7")) for c in p["completions"]]
     assert "| pass@4 (reward >= 1)" in printed
     again, _ = _eval(tmp_path, capsys, *args)  # seeded: the same samples
     assert again["per_prompt"] == result["per_prompt"]

@@ -55,7 +55,7 @@ def test_an_option_given_with_resume_is_checked_against_the_run(finished_run, ca
     out, _ = finished_run
     assert main(["train", "--resume", "--output-dir", str(out), "--lr", "0.1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("grpo-fast train: error: --resume: ") and "(lr: 0.002 -> 0.1)" in err, err
+    assert err.startswith("grpo-fast train: error: --resume: ") and "(--lr: 0.002 -> 0.1)" in err, err  # named by its flag
     assert "--resume --output-dir alone continues with the run's own options" in err
 
 

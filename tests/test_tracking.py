@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from train_helpers import REPO, small_config
 
@@ -33,18 +34,20 @@ def _numbers(row: dict) -> dict:
 
 def _tensorboard_scalars(log_dir) -> dict[str, dict[int, float]]:
     """{tag: {step: value}} of the scalars in ``log_dir``'s event files, read by TensorBoard's own loader (which
-    applies a resumed writer's purge)."""
+    applies a resumed writer's purge). Only classic scalars (``simple_value``) count: they are what TensorBoard's
+    default fast loader charts (it drops double-precision tensor scalars, which an earlier version wrote), so a
+    metric written any other way is missing here."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util.tensor_util import make_ndarray
 
     acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "scalars": 0})
     acc.Reload()
-    out = {}
-    for tag in acc.Tags()["tensors"]:
-        events = acc.Tensors(tag)
-        if events and make_ndarray(events[0].tensor_proto).dtype.kind == "f":
-            out[tag] = {e.step: make_ndarray(e.tensor_proto).item() for e in events}
-    return out
+    assert not [t for t in acc.Tags()["tensors"] if not t.endswith("/text_summary")], acc.Tags()["tensors"]
+    return {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in acc.Tags()["scalars"]}
+
+
+def _f32(value: float) -> float:
+    """What a float32 scalar stores of ``value``."""
+    return float(np.float32(value))
 
 
 def _tensorboard_texts(log_dir) -> dict[str, list[str]]:
@@ -92,8 +95,8 @@ def test_help_describes_each_option_with_its_default(capsys):
 
 
 def test_tensorboard_holds_metrics_jsonl_step_for_step_also_across_a_resume(tmp_path):
-    """Every number of every metrics.jsonl row is a TensorBoard scalar at that row's step, exactly (stored as a
-    double); after a resume from step 2 of a run that had reached step 4, TensorBoard's loader shows the resumed
+    """Every number of every metrics.jsonl row is a TensorBoard scalar at that row's step (float32, TensorBoard's
+    scalar: the file's value rounded to it, exactly); after a resume from step 2 of a run that had reached step 4, TensorBoard's loader shows the resumed
     steps 3-4, not the abandoned ones, as metrics.jsonl does."""
     config = dict(steps=4, save_every=2, keep_checkpoints=0, report_to="tensorboard", run_name="tb-run",
                   **{"loss.beta": "0.04"})
@@ -108,16 +111,34 @@ def test_tensorboard_holds_metrics_jsonl_step_for_step_also_across_a_resume(tmp_
     expected: dict[str, dict[int, float]] = {}
     for row in rows:
         for key, value in _numbers(row).items():
-            expected.setdefault(key, {})[row["step"]] = value
+            expected.setdefault(key, {})[row["step"]] = _f32(value)
     assert {k: v for k, v in scalars.items() if not k.startswith("eval_")} == expected
     assert "kl" in expected and expected["time_step_s"][3] != first[3]["time_step_s"]  # the resumed steps' values
     records = read_records(run / "metrics.jsonl")
-    assert scalars["eval_before"] == {0: records[0]["eval_before"]}
-    assert scalars["eval_after"] == {4: records[-1]["eval_after"]}
+    assert scalars["eval_before"] == {0: _f32(records[0]["eval_before"])}
+    assert scalars["eval_after"] == {4: _f32(records[-1]["eval_after"])}
     texts = _tensorboard_texts(run / "tensorboard")
     config_json = json.loads(textwrap.dedent(texts["config/text_summary"][-1]))
     assert config_json == json.loads((run / "config.json").read_text())
     assert texts["run_name/text_summary"][-1] == "tb-run"
+
+
+def test_a_shared_tensorboard_directory_keeps_other_runs(tmp_path, monkeypatch):
+    """TENSORBOARD_LOGGING_DIR shared by runs: each run writes its own subdirectory (--run-name, else the output
+    directory's name), and a new run deletes nothing there, another run's event files included."""
+    shared = tmp_path / "shared"
+    other = shared / "someone-else"
+    other.mkdir(parents=True)
+    (other / "events.out.tfevents.1.host").write_bytes(b"theirs")
+    (shared / "events.out.tfevents.2.host").write_bytes(b"theirs too")
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(shared))
+    _train(small_config(tmp_path, steps=2, report_to="tensorboard", run_name="mine"))
+    _train(small_config(tmp_path / "second", steps=2, report_to="tensorboard"))
+    assert (other / "events.out.tfevents.1.host").read_bytes() == b"theirs"
+    assert (shared / "events.out.tfevents.2.host").read_bytes() == b"theirs too"
+    assert set(_tensorboard_scalars(shared / "mine")["reward"]) == {1, 2}
+    assert set(_tensorboard_scalars(shared / "run")["reward"]) == {1, 2}  # small_config's output_dir is .../run
+    assert not (tmp_path / "run" / "tensorboard").exists()
 
 
 def _wandb_records(run_dir):
@@ -202,6 +223,7 @@ def test_trackio_locally(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(proc.stdout.strip().splitlines()) == 1, proc.stdout  # trackio's banner went to the log, not stdout
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     by_step: dict[int, dict] = {}
     for entry in result["logs"]:

@@ -28,9 +28,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import warnings
 
 import torch
+
+from grpo_fast.bnb_layout import keep_training_layout, quiet_cpu_kernel_message
+
+quiet_cpu_kernel_message()  # TRL imports peft, which imports bitsandbytes: not its CPU 4-bit kernel message
+# TRL imports vLLM where it is installed; vLLM's CPU build says at import that it disables Triton, which concerns
+# vLLM's own kernels only (grpo-fast's run under TRITON_INTERPRET or on a GPU): that one line is left out
+logging.getLogger("vllm.triton_utils.importing").addFilter(
+    lambda record: not record.getMessage().startswith("Triton is installed, but doesn't include CPU backend"))
 
 try:
     # importing TRL checks the installed vLLM against the range TRL was tested with and warns when it is outside
@@ -49,7 +58,6 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
 
 from packaging.version import Version
 
-from grpo_fast.bnb_layout import keep_training_layout
 from grpo_fast.config import REFUSED_LOSS_TYPES, GRPOLossConfig, LossType
 from grpo_fast.integrations import heads
 from grpo_fast.logprobs import fused_logprobs

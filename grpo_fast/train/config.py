@@ -508,11 +508,19 @@ def _plain(value, hint, where: str | None):
 # a run's config.json: how that run started, not an option of the run it describes
 RUN_ACTIONS = ("resume", "overwrite")
 # TRL's GRPOConfig names for options that mean exactly what grpo-fast's mean: taken as flags and in config files
-TRL_ALIASES = {"learning_rate": "lr", "num_generations": "group_size", "max_completion_length": "max_new_tokens"}
+TRL_ALIASES = {"learning_rate": "lr", "num_generations": "group_size", "max_completion_length": "max_new_tokens",
+               "num_iterations": "mu"}
 # TRL's names for what grpo-fast splits otherwise: refused, with the options to use
 TRL_NEAR = {"per_device_train_batch_size": "did you mean --micro-batch-size? (completions per forward/backward on a "
             "device, as TRL's per_device_train_batch_size counts them; TRL also sizes each generation from it, "
-            "grpo-fast from --prompts-per-step x --group-size)"}
+            "grpo-fast from --prompts-per-step x --group-size)",
+            "gradient_accumulation_steps": "grpo-fast accumulates over each step's --prompts-per-step x --group-size "
+            "completions in micro-batches of --micro-batch-size (one optimizer update per generation, times --mu)",
+            "logging_steps": "did you mean --log-every? (that step's row every N steps; TRL averages the steps since "
+            "its last log)",
+            **{name: f"did you mean --loss.{name}? (the loss's options are --loss.NAME, TRL's names)" for name in (
+                "beta", "loss_type", "epsilon", "epsilon_high", "delta", "importance_sampling_level",
+                "top_entropy_quantile", "entropy_coef", "use_bias_correction_kl")}}
 
 
 def run_options(output_dir: str | Path) -> dict:

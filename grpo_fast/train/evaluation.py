@@ -37,13 +37,16 @@ _FLAGS = {"model": "--model", "tokenizer": "--model", "dataset": "--dataset", "e
 
 @torch.no_grad()
 def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | None = None,
-             completions_out: list[list] | None = None) -> float | None:
+             completions_out: list[list] | None = None,
+             function_scores: list[torch.Tensor] | None = None) -> float | None:
     """Mean weighted reward of the held-out prompts' completions (None without any prompts, or when no reward
     function scored any of them: every one returned None): one greedy completion per prompt by default (the run's
     before/after evaluation), or ``samples`` completions per prompt drawn with ``params``. ``scores``, when given,
     receives one ``[samples]`` tensor of weighted rewards per prompt this rank scored, in order, NaN for a completion
     no function scored (``grpo-fast eval``'s pass@k); ``completions_out``, when given, the ``samples`` completions of
-    each of those prompts (text, or a multi-turn completion's messages). ``run`` is the trainer's ``Run``, ``params`` a
+    each of those prompts (text, or a multi-turn completion's messages); ``function_scores``, when given, one
+    ``[samples, functions]`` tensor per prompt of each reward source's own score (NaN: that function returned
+    None). ``run`` is the trainer's ``Run``, ``params`` a
     ``SamplingParams``; completions are sampled and scored as in training (``rollout.rollout``, ``rewards.score``), by
     grpo-fast's own sampler on the policy whatever the run's rollout engine."""
     from grpo_fast.bnb_layout import inference_layout
@@ -83,6 +86,8 @@ def evaluate(run, samples: int = 1, params=None, scores: list[torch.Tensor] | No
                 if completions_out is not None:
                     completions_out.extend(list(completions[j * samples : (j + 1) * samples])
                                            for j in range(len(part)))
+                if function_scores is not None:
+                    function_scores.extend(per_function.view(len(part), samples, -1))
     total, scored = dist_.sum_across([total, float(scored)], world, run.device)
     if not scored:
         logger.warning("held-out evaluation: no reward function scored any of the %d completions (all returned None)",
@@ -274,28 +279,36 @@ def _evaluate(options: EvalOptions) -> dict:
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=options.top_p)
     scores: list[torch.Tensor] = []
     texts: list[list] = []
+    by_function: list[torch.Tensor] = []
     try:
-        mean = evaluate(run, samples=options.samples, params=params, scores=scores, completions_out=texts)
+        mean = evaluate(run, samples=options.samples, params=params, scores=scores, completions_out=texts,
+                        function_scores=by_function)
     finally:
         if agent is not None:
             agent.close()
     per_prompt = torch.stack(scores)  # [prompts, samples], NaN where no reward function scored the completion
     passed = (per_prompt >= options.pass_threshold).any(dim=1)  # an unscored completion passes nothing
     k = options.samples
+    names = list(config.rewards) + [f.__name__ for f in reward_funcs[len(config.rewards):]]
+
+    def plain(values: torch.Tensor) -> list:
+        return [None if math.isnan(x) else x for x in values.tolist()]
+
     return {
         # the sources scored: the functions named as given, then the environment's (named after its class)
         "model": str(model_dir), "dataset": options.dataset,
-        "rewards": list(config.rewards) + [f.__name__ for f in reward_funcs[len(config.rewards):]],
+        "rewards": names,
         "reward_weights": weights, "prompts": len(records),
         "samples": k, "decoding": "greedy" if temperature == 0 else "sampled", "temperature": temperature,
         "top_p": options.top_p, "max_new_tokens": max_new_tokens, "seed": options.seed,
         "pass_threshold": options.pass_threshold,
         # nothing scored: both n/a (None), not 0
         f"mean@{k}": mean, f"pass@{k}": None if mean is None else int(passed.sum()) / len(passed),
-        # each prompt's completions, the i-th scored by rewards[i] (the weighted total; unscored: null)
-        "per_prompt": [{"prompt": r[options.prompt_column],
-                        "rewards": [None if math.isnan(x) else x for x in s.tolist()], "completions": c}
-                       for r, s, c in zip(records, per_prompt, texts)],
+        # each prompt's completions, the i-th scored rewards[i] (the weighted total; unscored: null) and, by each
+        # reward source, scores[name][i] (that function's own score; null: it returned None)
+        "per_prompt": [{"prompt": r[options.prompt_column], "rewards": plain(s), "completions": c,
+                        "scores": {name: plain(f[:, j]) for j, name in enumerate(names)}}
+                       for r, s, c, f in zip(records, per_prompt, texts, by_function)],
     }
 
 

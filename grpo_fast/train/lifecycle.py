@@ -21,7 +21,7 @@ from grpo_fast.train import distributed as dist_
 from grpo_fast.train.config import TrainConfig, config_changes
 from grpo_fast.train.evaluation import evaluate
 from grpo_fast.train.export import MODEL_DIR, base_model_path, full_state_dict, save_model
-from grpo_fast.train.metrics import MetricsLog, plot_metrics, read_steps
+from grpo_fast.train.metrics import MetricsLog, plot_metrics, read_records, read_steps
 from grpo_fast.train.reporting import completion_table, log_completions, progress
 from grpo_fast.train.rewards import reward_name
 from grpo_fast.train.tracking import Trackers, open_trackers, resolve_report_to
@@ -41,12 +41,18 @@ class Summary:
     skipped_updates: int
     output_dir: Path
     seconds: float
+    held_out_prompts: int = 1  # 0: the run had no held-out set (a file dataset without --eval-dataset)
 
     def line(self) -> str:
         def fmt(x):
             return "n/a" if x is None else f"{x:.3f}"
 
-        unscored = " (n/a: no held-out prompt was scored)" if None in (self.eval_before, self.eval_after) else ""
+        if not self.held_out_prompts:
+            unscored = " (no held-out set: a file dataset is evaluated with --eval-dataset FILE)"
+        elif None in (self.eval_before, self.eval_after):
+            unscored = " (n/a: no held-out prompt was scored)"
+        else:
+            unscored = ""
         return (f"grpo-fast: {self.steps} steps in {self.seconds:.0f} s; held-out reward {fmt(self.eval_before)} -> "
                 f"{fmt(self.eval_after)}{unscored}; {self.skipped_updates} skipped updates; outputs in "
                 f"{self.output_dir}")
@@ -81,6 +87,8 @@ def prepare(config: TrainConfig) -> Prepared:
     run = setup(config)
     main = run.world.is_main  # only rank 0 writes the metrics, the config and single-file checkpoints
     resumed = config.resume and load_checkpoint(run, ckpt_dir)
+    if resumed:
+        _check_complete(run, out_dir)
     engine = engine_of(run)  # built now, from the resumed weights when resuming; logs which engine runs
     eval_before = None if resumed else evaluate(run)
     resolved = config.to_dict()
@@ -185,7 +193,7 @@ def _fit(prepared: Prepared) -> Summary:
     if run.agent is not None:
         run.agent.close()
     return Summary(run.step, prepared.eval_before, eval_after, run.skipped_updates, prepared.out_dir,
-                   time.perf_counter() - prepared.started)
+                   time.perf_counter() - prepared.started, len(run.eval_records))
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -283,6 +291,33 @@ def _check_output_dir(config: TrainConfig, out_dir: Path, ckpt_dir: Path) -> Non
             f"TrainConfig.output_dir: {out_dir} already holds a run (metrics.jsonl or checkpoints); pass --resume to "
             "continue it, --overwrite to start over in it, or choose another --output-dir"
         )
+
+
+class RunComplete(Exception):
+    """``--resume`` of a run that has done all its steps and its after-evaluation: nothing to do (a scheduler that
+    reruns a job until it is done gets a clean exit, and the run's model/ and metrics stay as they are). ``world``:
+    the process group to leave."""
+
+    def __init__(self, message: str, world):
+        super().__init__(message)
+        self.world = world
+
+
+def _check_complete(run: Run, out_dir: Path) -> None:
+    """Raises :class:`RunComplete` when the resumed checkpoint is the run's last step and metrics.jsonl ends with
+    the after-evaluation (a stop in the last step saves the step but not the evaluation: that resume evaluates)."""
+    metrics = out_dir / "metrics.jsonl"
+    if run.step != run.config.steps or not metrics.exists():
+        return
+    records = read_records(metrics)
+    steps = [r["step"] for r in records if r.get("event") == "step"]
+    if records and records[-1].get("event") == "end" and steps and steps[-1] == run.step:
+        after = records[-1].get("eval_after")
+        if run.agent is not None:
+            run.agent.close()
+        raise RunComplete(f"the run in {out_dir} is complete ({run.step} of {run.step} steps, evaluated: held-out "
+                          f"reward {'n/a' if after is None else f'{after:.3f}'}); nothing was run or changed; "
+                          f"--resume with --steps above {run.step} continues it", run.world)
 
 
 def _write_completions(run: Run, log: MetricsLog) -> None:
@@ -390,7 +425,7 @@ def load_checkpoint(run: Run, directory: Path) -> bool:
     # an option newer than the checkpoint's run had its default there
     changed = config_changes({**TrainConfig().to_dict(), **saved}, now, RESUMABLE_CHANGES)
     if changed:
-        diff = ", ".join(changed)
+        diff = ", ".join(f"TrainConfig.{change}" for change in changed)  # the CLI names each by its flag
         raise ValueError(f"--resume: {path} was written by a run with other options ({diff}); leave those out "
                          f"(--resume --output-dir alone continues with the run's own options: only "
                          f"{', '.join(sorted(RESUMABLE_CHANGES))} may change) or start a new run")

@@ -11,10 +11,13 @@ and that tracker is dropped for the rest of the run (``metrics.jsonl`` keeps eve
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
 import os
+import re
 from pathlib import Path
 
 logger = logging.getLogger("grpo_fast.train")
@@ -76,18 +79,29 @@ class Tracker:
         pass
 
 
+def _run_dir_name(run_name: str | None, out_dir: Path) -> str:
+    """The run's subdirectory in a shared TensorBoard directory: ``--run-name``, else the output directory's name;
+    path separators and leading dots replaced, so it stays one directory inside the shared one."""
+    name = run_name or Path(out_dir).resolve().name or "run"
+    return name.replace("/", "_").replace("\\", "_").lstrip(".") or "run"
+
+
 class TensorBoardTracker(Tracker):
-    """Event files in ``output_dir/tensorboard`` (``tensorboard --logdir output_dir``): each metric a scalar stored
-    as a double (the file's value exactly), the config and each completions table as text (markdown). A resumed run
-    writes to the same directory from its checkpoint's step on; the earlier run's later steps are purged."""
+    """Event files in ``output_dir/tensorboard`` (``tensorboard --logdir output_dir``): each metric a classic
+    float32 scalar (``simple_value``: the one form every TensorBoard loader charts; TensorBoard 2.21's default fast
+    loader shows no double-precision scalar at all; metrics.jsonl keeps the full precision), the config and each
+    completions table as text (markdown). A resumed run writes to the same directory from its checkpoint's step on;
+    the earlier run's later steps are purged. ``own_dir``: the directory is the run's own (``output_dir/tensorboard``),
+    so a new run there (``--overwrite``) removes the earlier run's event files; a shared one
+    (``TENSORBOARD_LOGGING_DIR``) gets a subdirectory per run and loses nothing."""
 
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path, config: dict, run_name: str | None, resumed_step: int):
+    def __init__(self, log_dir: Path, config: dict, run_name: str | None, resumed_step: int, own_dir: bool = True):
         from torch.utils.tensorboard import SummaryWriter
 
         log_dir.mkdir(parents=True, exist_ok=True)
-        if not resumed_step:  # a new run in this output_dir (--overwrite): the earlier run's events go
+        if own_dir and not resumed_step:  # a new run in this output_dir (--overwrite): the earlier run's events go
             for old in log_dir.glob("events.out.tfevents.*"):
                 old.unlink()
         self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=resumed_step + 1 if resumed_step else None)
@@ -97,7 +111,7 @@ class TensorBoardTracker(Tracker):
 
     def log(self, metrics, step):
         for key, value in metrics.items():
-            self.writer.add_scalar(key, value, step, new_style=True, double_precision=True)
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
     def table(self, key, columns, rows, step):
@@ -136,6 +150,23 @@ class WandbTracker(Tracker):
         self.run.finish()
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+@contextlib.contextmanager
+def _stdout_to_log(name: str):
+    """What a tracker's client prints to stdout (a banner, colour codes and all) goes to the log instead, one INFO
+    line each, colours removed: stdout stays the run's own summary line, fit for a script to read."""
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buffer):
+            yield
+    finally:
+        for line in buffer.getvalue().splitlines():
+            if line := _ANSI.sub("", line).strip():
+                logger.info("%s: %s", name, line)
+
+
 class TrackioTracker(Tracker):
     """A Trackio run (``trackio.init``: project, name, the run's config), stored locally (``TRACKIO_DIR``, else
     Hugging Face's cache; ``trackio show`` opens the dashboard) unless ``TRACKIO_SPACE_ID`` or
@@ -147,7 +178,8 @@ class TrackioTracker(Tracker):
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=project or DEFAULT_PROJECT, name=run_name, config=config, embed=False)
+        with _stdout_to_log("trackio"):  # its banner: the log's, not stdout's (which holds the run's summary)
+            self.run = trackio.init(project=project or DEFAULT_PROJECT, name=run_name, config=config, embed=False)
 
     def log(self, metrics, step):
         self.run.log(metrics, step=step)
@@ -157,10 +189,11 @@ class TrackioTracker(Tracker):
                      step=step)
 
     def close(self):
-        if self.trackio.context_vars.current_run.get() is self.run:
-            self.trackio.finish()  # and trackio's exit handler has no run left to finish again
-        else:
-            self.run.finish()
+        with _stdout_to_log("trackio"):
+            if self.trackio.context_vars.current_run.get() is self.run:
+                self.trackio.finish()  # and trackio's exit handler has no run left to finish again
+            else:
+                self.run.finish()
 
 
 def open_trackers(names: list[str], out_dir: Path, config: dict, run_name: str | None, project: str | None,
@@ -175,8 +208,10 @@ def open_trackers(names: list[str], out_dir: Path, config: dict, run_name: str |
             continue
         try:
             if name == "tensorboard":
-                log_dir = Path(os.environ.get("TENSORBOARD_LOGGING_DIR") or out_dir / TENSORBOARD_DIR)
-                trackers.append(TensorBoardTracker(log_dir, config, run_name, resumed_step))
+                shared = os.environ.get("TENSORBOARD_LOGGING_DIR")
+                # a shared directory: one subdirectory per run, named as TensorBoard's run list shows it
+                log_dir = Path(shared) / _run_dir_name(run_name, out_dir) if shared else out_dir / TENSORBOARD_DIR
+                trackers.append(TensorBoardTracker(log_dir, config, run_name, resumed_step, own_dir=not shared))
             elif name == "wandb":
                 trackers.append(WandbTracker(out_dir, config, run_name, project))
             else:
