@@ -146,7 +146,8 @@ def test_eval_json_has_each_completion_next_to_its_reward(tmp_path, capsys):
                  "--output", str(out)]) == 0, capsys.readouterr().err
     result = json.loads(out.read_text())
     for record, entry in zip((json.loads(x) for x in data.read_text().splitlines()), result["per_prompt"]):
-        assert set(entry) == {"prompt", "rewards", "completions"} and entry["prompt"] == record["prompt"]
+        assert set(entry) == {"prompt", "rewards", "completions", "scores"} and entry["prompt"] == record["prompt"]
+        assert entry["scores"] == {"math": entry["rewards"]}  # the run's one reward, weight 1
         assert len(entry["completions"]) == len(entry["rewards"]) == 3
         scored = math_reward([record["prompt"]] * 3, entry["completions"], [record["answer"]] * 3)
         assert [0.0 if s is None else s for s in scored] == [0.0 if r is None else r for r in entry["rewards"]]
