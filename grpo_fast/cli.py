@@ -20,8 +20,8 @@ Train a causal LM with GRPO. With no arguments: a tiny Qwen2 learns the built-in
 Options come from (later wins): the defaults below, --config FILE (.toml or .yaml, the loss options in a [loss]
 table; or a run's own config.json), then the flags. Lists are comma-separated (--rewards math,format). TRL's
 names --learning-rate, --num-generations, --max-completion-length and --num-iterations are taken for --lr,
---group-size, --max-new-tokens and --mu. --resume --output-dir DIR alone continues that run with its own options (DIR/config.json); a
-flag given with it must match the run's, but for the few a resume may change. Outputs in --output-dir:
+--group-size, --max-new-tokens and --mu. --resume --output-dir DIR alone continues that run with its own options
+(DIR/config.json); a flag given with it must match the run's, but for the few a resume may change. Outputs in --output-dir:
 metrics.jsonl, reward_kl.png, config.json, checkpoints/, and model/: the trained model (save_pretrained; see
 grpo-fast export and grpo-fast eval).
 """
@@ -396,15 +396,15 @@ def _run_rewards(model: str) -> tuple[str, str | None]:
     """``grpo-fast eval``'s rewards when ``--rewards`` is not given: those of the run whose ``model/`` directory
     ``model`` is (its ``config.json`` one level up, as every run writes it), with their weights; else ``math`` (the
     train default). Logged, so the scores say what scored them."""
-    import json
+    from grpo_fast.train.config import run_options
 
     path = Path(model).parent / "config.json"
-    if Path(model).name == "model" and path.is_file():
+    if Path(model).name == "model":
         try:
-            values = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            values = None
-        rewards = values.get("rewards") if isinstance(values, dict) else None
+            values = run_options(path.parent)  # {} without the file
+        except ValueError:  # unreadable: not a run's options, so the train default
+            values = {}
+        rewards = values.get("rewards")
         if isinstance(rewards, list) and rewards and all(isinstance(r, str) for r in rewards):
             weights = values.get("reward_weights") or []
             logging.getLogger("grpo_fast.eval").info("scoring with the run's rewards %s (from %s; --rewards "
